@@ -1,0 +1,357 @@
+"""The typed config tree (DESIGN §1).
+
+One dataclass per section, each field parsed and checked by the function in its
+``metadata["parse"]``. Load with :meth:`Config.from_file` (YAML or JSON) or
+:meth:`Config.from_dict`; both reject unknown keys, naming the section and the
+valid keys, and wrong types or impossible values, naming the key and what was
+expected. Sizes are bytes: an int, or a string such as ``"512MiB"``/``"8GiB"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ZeroConfig",
+    "PrecisionConfig",
+    "OptimizerConfig",
+    "OffloadConfig",
+    "TiersConfig",
+    "PrefetchConfig",
+    "IOConfig",
+    "parse_size",
+    "format_size",
+]
+
+TIERS = ("none", "host", "nvme")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, has the wrong type, or an impossible value."""
+
+
+# ---------------------------------------------------------------- sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """``"512MiB"`` -> 536870912; ints pass through. Raises ConfigError naming ``what``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size in bytes or a string like '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(
+                f"{what}: cannot read {value!r} as a size; use bytes or a number with one of "
+                "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '512MiB')"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{what}: expected a size in bytes or a string like '512MiB', got {value!r}")
+    if n < 0:
+        raise ConfigError(f"{what}: size must be >= 0, got {value!r}")
+    return n
+
+
+def format_size(n_bytes: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n_bytes) < 1024 or unit == "TiB":
+            return f"{n_bytes:.0f}{unit}" if unit == "B" else f"{n_bytes:.1f}{unit}"
+        n_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- field parsers
+
+def _size(v, key):
+    return parse_size(v, key)
+
+
+def _size_or_auto(v, key):
+    return "auto" if v == "auto" else parse_size(v, key)
+
+
+def _choice(*options):
+    def parse(v, key):
+        if v not in options:
+            raise ConfigError(f"{key}: expected one of {list(options)}, got {v!r}")
+        return v
+    return parse
+
+
+def _int(lo=None, hi=None):
+    def parse(v, key):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{key}: expected an integer, got {v!r}")
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{key}: expected an integer in {rng}, got {v}")
+        return v
+    return parse
+
+
+def _int_or_auto(lo):
+    inner = _int(lo)
+    return lambda v, key: "auto" if v == "auto" else inner(v, key)
+
+
+def _float(lo=None, lo_open=False):
+    def parse(v, key):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {v!r}")
+        v = float(v)
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise ConfigError(f"{key}: expected a number {'>' if lo_open else '>='} {lo}, got {v}")
+        return v
+    return parse
+
+
+def _bool(v, key):
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+def _bool_or_auto(v, key):
+    return "auto" if v == "auto" else _bool(v, key)
+
+
+def _betas(v, key):
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(f"{key}: expected two numbers [beta1, beta2], got {v!r}")
+    b = tuple(_float(0.0)(x, key) for x in v)
+    if not all(0.0 <= x < 1.0 for x in b):
+        raise ConfigError(f"{key}: each beta must be in [0, 1), got {list(b)}")
+    return b
+
+
+def _str_list(v, key):
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise ConfigError(f"{key}: expected a list of class names, got {v!r}")
+    return tuple(v)
+
+
+def _optional_path(v, key):
+    if v is None:
+        return None
+    if not isinstance(v, (str, Path)) or str(v) == "":
+        raise ConfigError(f"{key}: expected a directory path, got {v!r}")
+    return str(v)
+
+
+def _loss_scale(v, key):
+    if v in ("dynamic", "none"):
+        return v
+    return _float(0.0, lo_open=True)(v, key)
+
+
+def _f(default, parse: Callable, doc: str):
+    """A config field: its default, its parser, one line on what it trades."""
+    if isinstance(default, (list, dict)):
+        raise TypeError("use tuples for sequence defaults")
+    return field(default=default, metadata={"parse": parse, "doc": doc})
+
+
+# ---------------------------------------------------------------- sections
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = _f(3, _int(0, 3), "0 = DDP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters")
+    reshard_after_forward: bool = _f(
+        True, _bool, "stage 3: free a unit's gathered params after forward (saves memory, one more all-gather)")
+    unit_classes: tuple = _f(
+        (), _str_list, "module class names that each become a unit; empty = children of the largest ModuleList")
+    bucket_bytes: int = _f(
+        25 * 2**20, _size, "stage 0: gradient all-reduce bucket size (bigger = fewer calls, later overlap)")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    param_dtype: str = _f("fp32", _choice(*DTYPES), "compute dtype of parameters in forward/backward")
+    reduce_dtype: str = _f("fp32", _choice(*DTYPES), "dtype gradients are reduced in")
+    loss_scale: Any = _f("dynamic", _loss_scale, "fp16 only: 'dynamic', 'none' or a fixed scale")
+    initial_loss_scale: float = _f(2.0**16, _float(0.0, lo_open=True), "fp16 dynamic scaling: starting scale")
+    loss_scale_window: int = _f(1000, _int(1), "fp16 dynamic scaling: good steps before the scale doubles")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = _f(3.0e-4, _float(0.0), "AdamW learning rate")
+    betas: tuple = _f((0.9, 0.95), _betas, "AdamW (beta1, beta2)")
+    eps: float = _f(1.0e-8, _float(0.0, lo_open=True), "AdamW epsilon")
+    weight_decay: float = _f(0.1, _float(0.0), "decoupled weight decay")
+    threads: Any = _f("auto", _int_or_auto(1), "CPU Adam threads; auto = cores / local ranks")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: str = _f("none", _choice(*TIERS), "where fp32 master weights and Adam moments live")
+    params: str = _f("none", _choice(*TIERS), "where stage-3 parameter shards live between uses")
+    grads: str = _f("none", _choice(*TIERS), "where reduced gradient shards wait for the optimizer")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    device_bytes: Any = _f("auto", _size_or_auto, "device tier budget; auto = free device memory (CPU: 1/4 of RAM)")
+    host_bytes: Any = _f("auto", _size_or_auto, "host tier budget; auto = 1/2 of available RAM")
+    nvme_path: Any = _f(None, _optional_path, "swap directory for the nvme tier (needed when anything lives there)")
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    bytes: int = _f(256 * 2**20, _size, "how far ahead along the recorded order units are fetched")
+    max_live_bytes: int = _f(2**30, _size, "cap on gathered (full) parameter bytes alive at once")
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    block_bytes: int = _f(8 * 2**20, _size, "each request is split into pieces of this size")
+    queue_depth: int = _f(8, _int(1), "pieces in flight at once per engine")
+    threads: int = _f(2, _int(1), "worker threads issuing pread/pwrite")
+    direct: Any = _f("auto", _bool_or_auto, "O_DIRECT: auto = probe the file system, fall back to buffered")
+    checksum: bool = _f(True, _bool, "checksum each stored extent, verified on read")
+
+
+_SECTIONS = {
+    "zero": ZeroConfig,
+    "precision": PrecisionConfig,
+    "optimizer": OptimizerConfig,
+    "offload": OffloadConfig,
+    "tiers": TiersConfig,
+    "prefetch": PrefetchConfig,
+    "io": IOConfig,
+}
+
+
+def _build_section(cls, name: str, raw: Any):
+    if raw is None:
+        raw = {}
+    if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: expected a mapping of keys to values, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {name}.{unknown[0]} in section '{name}'; valid keys: {', '.join(fields)}")
+    values = {k: fields[k].metadata["parse"](v, f"{name}.{k}") for k, v in raw.items()}
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole tree. Sections default to their documented defaults."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+
+    def __post_init__(self):
+        self._check_cross_fields()
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Config":
+        d = {} if d is None else d
+        if not isinstance(d, dict):
+            raise ConfigError(f"config: expected a mapping of sections, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_SECTIONS))
+        if unknown:
+            raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(_SECTIONS)}")
+        return cls(**{name: _build_section(sec, name, d.get(name)) for name, sec in _SECTIONS.items()})
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Config":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from e
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as e:
+            raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}") from e
+        try:
+            return cls.from_dict(data)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from e
+
+    @classmethod
+    def load(cls, config: "str | Path | dict | Config | None") -> "Config":
+        """Accept what ``infinity.initialize`` accepts: a path, a dict, a Config, or None."""
+        if config is None:
+            return cls()
+        if isinstance(config, Config):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if isinstance(config, (str, Path)):
+            return cls.from_file(config)
+        raise ConfigError(f"config: expected a path, dict or infinity.Config, got {type(config).__name__}")
+
+    def to_dict(self) -> dict:
+        """Plain dict that round-trips through :meth:`from_dict` (and YAML/JSON)."""
+        out = {}
+        for name in _SECTIONS:
+            sec = dataclasses.asdict(getattr(self, name))
+            out[name] = {k: list(v) if isinstance(v, tuple) else v for k, v in sec.items()}
+        return out
+
+    def replace(self, **sections: dict) -> "Config":
+        """A copy with some keys changed: ``cfg.replace(zero={"stage": 2})``."""
+        d = self.to_dict()
+        for name, changes in sections.items():
+            if name not in _SECTIONS:
+                raise ConfigError(f"unknown config section '{name}'; valid sections: {', '.join(_SECTIONS)}")
+            d[name].update(changes)
+        return Config.from_dict(d)
+
+    def _check_cross_fields(self):
+        off = self.offload
+        on_nvme = [k for k in ("optimizer", "params", "grads") if getattr(off, k) == "nvme"]
+        if on_nvme and not self.tiers.nvme_path:
+            raise ConfigError(
+                f"tiers.nvme_path: required because offload.{on_nvme[0]} is 'nvme'; "
+                "set it to a directory on a fast local disk")
+        if off.params != "none" and self.zero.stage != 3:
+            raise ConfigError(
+                f"offload.params: '{off.params}' needs zero.stage 3 (parameters are only sharded at "
+                f"stage 3), got stage {self.zero.stage}")
+        if off.grads != "none" and self.zero.stage < 2:
+            raise ConfigError(
+                f"offload.grads: '{off.grads}' needs zero.stage >= 2 (gradients are only sharded from "
+                f"stage 2), got stage {self.zero.stage}")
+        if off.optimizer != "none" and self.zero.stage < 1:
+            raise ConfigError(
+                "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
+        if self.io.block_bytes % 4096:
+            raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
