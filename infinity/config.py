@@ -107,8 +107,8 @@ def _int(lo=None, hi=None):
         if isinstance(v, bool) or not isinstance(v, int):
             raise ConfigError(f"{key}: expected an integer, got {v!r}")
         if (lo is not None and v < lo) or (hi is not None and v > hi):
-            rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-            raise ConfigError(f"{key}: expected an integer in {rng}, got {v}")
+            rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+            raise ConfigError(f"{key}: expected an integer {rng}, got {v}")
         return v
     return parse
 

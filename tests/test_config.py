@@ -1,0 +1,158 @@
+import json
+
+import pytest
+import yaml
+
+from infinity.config import Config, ConfigError, format_size, parse_size
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("512MiB", 512 * 2**20),
+        ("8GiB", 8 * 2**30),
+        ("1.5KiB", 1536),
+        ("2 GB", 2 * 10**9),
+        ("1e3", 1000),
+        (0, 0),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["12 bananas", "", "MiB", [1], None, True, "1.2.3GiB"])
+def test_parse_size_rejects_garbage(bad):
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(bad, "tiers.host_bytes")
+
+
+def test_negative_size_names_key():
+    with pytest.raises(ConfigError, match=r"tiers\.host_bytes: size must be >= 0"):
+        Config.from_dict({"tiers": {"host_bytes": "-1GiB"}})
+
+
+def test_format_size():
+    assert format_size(1536) == "1.5KiB"
+    assert format_size(100) == "100B"
+
+
+def test_defaults_match_design():
+    c = Config()
+    assert c.zero.stage == 3
+    assert c.optimizer.betas == (0.9, 0.95)
+    assert c.io.block_bytes == 8 * 2**20
+    assert c.offload.optimizer == "none"
+
+
+def test_from_dict_parses_sizes_and_types():
+    c = Config.from_dict(
+        {
+            "zero": {"stage": 3, "unit_classes": "Block"},
+            "precision": {"param_dtype": "bf16"},
+            "offload": {"optimizer": "nvme", "params": "nvme", "grads": "host"},
+            "tiers": {"device_bytes": "512MiB", "nvme_path": "/tmp/x"},
+            "prefetch": {"bytes": "64MiB"},
+            "io": {"direct": False, "threads": 4},
+        }
+    )
+    assert c.zero.unit_classes == ("Block",)
+    assert c.tiers.device_bytes == 512 * 2**20
+    assert c.tiers.host_bytes == "auto"
+    assert c.prefetch.bytes == 64 * 2**20
+    assert c.io.direct is False and c.io.threads == 4
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"zero": {"stag": 1}})
+    msg = str(e.value)
+    assert "zero.stag" in msg and "section 'zero'" in msg
+    for valid in ("stage", "reshard_after_forward", "unit_classes", "bucket_bytes"):
+        assert valid in msg
+
+
+def test_unknown_section_lists_valid_sections():
+    with pytest.raises(ConfigError, match=r"unknown config section 'zer0'.*zero, precision, optimizer"):
+        Config.from_dict({"zer0": {}})
+
+
+@pytest.mark.parametrize(
+    "d, match",
+    [
+        ({"zero": {"stage": 5}}, r"zero\.stage: expected an integer in 0\.\.3, got 5"),
+        ({"zero": {"stage": "3"}}, r"zero\.stage: expected an integer"),
+        ({"zero": {"stage": True}}, r"zero\.stage: expected an integer"),
+        ({"precision": {"param_dtype": "fp8"}}, r"precision\.param_dtype: expected one of \['fp32', 'bf16', 'fp16'\]"),
+        ({"optimizer": {"betas": [0.9]}}, r"optimizer\.betas: expected two numbers"),
+        ({"optimizer": {"betas": [0.9, 1.0]}}, r"optimizer\.betas: each beta must be in \[0, 1\)"),
+        ({"optimizer": {"lr": -1}}, r"optimizer\.lr: expected a number >= 0"),
+        ({"optimizer": {"eps": 0}}, r"optimizer\.eps: expected a number > 0"),
+        ({"offload": {"optimizer": "disk"}}, r"offload\.optimizer: expected one of \['none', 'host', 'nvme'\]"),
+        ({"io": {"queue_depth": 0}}, r"io\.queue_depth: expected an integer >= 1"),
+        ({"io": {"checksum": "yes"}}, r"io\.checksum: expected true or false"),
+        ({"io": {"block_bytes": 1000}}, r"io\.block_bytes: must be a multiple of 4096"),
+        ({"zero": []}, r"zero: expected a mapping"),
+    ],
+)
+def test_bad_values_name_key_and_expectation(d, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(d)
+
+
+def test_nvme_needs_path():
+    with pytest.raises(ConfigError, match=r"tiers\.nvme_path: required because offload\.params is 'nvme'"):
+        Config.from_dict({"offload": {"params": "nvme"}})
+
+
+@pytest.mark.parametrize(
+    "d, match",
+    [
+        ({"zero": {"stage": 2}, "offload": {"params": "host"}}, r"offload\.params: 'host' needs zero\.stage 3"),
+        ({"zero": {"stage": 1}, "offload": {"grads": "host"}}, r"offload\.grads: 'host' needs zero\.stage >= 2"),
+        ({"zero": {"stage": 0}, "offload": {"optimizer": "host"}}, r"offload\.optimizer: needs zero\.stage >= 1"),
+    ],
+)
+def test_offload_needs_matching_stage(d, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict(d)
+
+
+def test_from_file_yaml_and_json_round_trip(tmp_path):
+    c = Config.from_dict({"zero": {"stage": 1}, "tiers": {"host_bytes": "1GiB"}})
+    y = tmp_path / "c.yaml"
+    y.write_text(yaml.safe_dump(c.to_dict()))
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps(c.to_dict()))
+    assert Config.from_file(y) == c
+    assert Config.from_file(j) == c
+    assert Config.load(str(y)) == c and Config.load(c) is c and Config.load(c.to_dict()) == c
+
+
+def test_from_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+        Config.from_file(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("zero: {stage: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        Config.from_file(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("io: {blocks: 3}\n")
+    with pytest.raises(ConfigError, match=r"unknown.yaml: unknown key io\.blocks"):
+        Config.from_file(unknown)
+
+
+def test_yaml_is_safe_loaded(tmp_path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("zero: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        Config.from_file(p)
+
+
+def test_replace_revalidates():
+    c = Config().replace(zero={"stage": 2})
+    assert c.zero.stage == 2
+    with pytest.raises(ConfigError, match="offload.params"):
+        c.replace(offload={"params": "host"})
