@@ -1,0 +1,134 @@
+"""AdamW over flat fp32 shards on the CPU, with the low-precision copy-back fused in.
+
+An offloaded optimizer step is memory-bound: it streams the fp32 master, the two
+moments and the gradient once, and must also produce the compute-precision copy
+of the parameter that goes back to the parameter's home tier. Done the obvious
+way (``torch.optim.AdamW(fused=True)`` then ``out.copy_(param)``) that copy is a
+second full pass over memory. Here the shard is cut into cache-sized chunks;
+each worker thread runs torch's fused AdamW kernel on a chunk and converts the
+same chunk while it is still in cache. The chunks are independent elementwise
+work, so the result is bitwise the one torch's fused kernel gives on the whole
+tensor.
+
+Trade-off of ``chunk_numel``: smaller chunks stay in L2 for the copy-back but
+pay a kernel launch each (~10 µs); 256K fp32 elements (1 MiB per tensor) was
+the measured sweet spot here (``tools/bench_offload.py`` measures it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["CpuAdamW", "default_adam_threads"]
+
+_HAS_FUSED = hasattr(torch, "_fused_adamw_")
+# The fused kernel runs vector lanes over the body of a tensor and scalar code
+# over its tail, and the two round differently (FMA). Starting every chunk on a
+# multiple of this keeps the vector/scalar split where a whole-tensor call puts
+# it, so chunked results stay bitwise equal to it.
+_CHUNK_ALIGN_NUMEL = 64
+
+
+def default_adam_threads(local_ranks: int = 1) -> int:
+    """Cores available to this process divided among the ranks on this machine."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_ranks))
+
+
+class CpuAdamW:
+    """Decoupled-weight-decay Adam on flat fp32 tensors, multi-threaded.
+
+    ``step_`` updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place, exactly
+    like ``torch.optim.AdamW`` with ``fused=True`` (the same kernel), and writes
+    ``param`` converted to ``out.dtype`` into ``out`` when given.
+    """
+
+    def __init__(self, threads: int | None = None, chunk_numel: int = 256 * 1024):
+        if chunk_numel <= 0:
+            raise ValueError(f"chunk_numel must be > 0, got {chunk_numel}")
+        self.threads = threads or default_adam_threads()
+        self.chunk_numel = -(-chunk_numel // _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="infinity-adam") if self.threads > 1 else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def step_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        *,
+        step: int,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        """One AdamW update; ``step`` is the 1-based step count after this update."""
+        numel = param.numel()
+        for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
+            if t is not None and (t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(
+                    f"CpuAdamW: {name} must be a contiguous CPU tensor of {numel} elements, "
+                    f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+        for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.float32:
+                raise ValueError(f"CpuAdamW: {name} must be fp32, got {t.dtype}")
+        if numel == 0:
+            return
+        hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        ranges = self._split(numel)
+        if self._pool is None or len(ranges) == 1:
+            for lo, hi in ranges:
+                self._update_range(param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper)
+            return
+        futures = [self._pool.submit(self._update_range, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper)
+                   for lo, hi in ranges]
+        for f in futures:
+            f.result()  # re-raises a worker's exception here
+
+    def _split(self, numel: int) -> list[tuple[int, int]]:
+        # One contiguous range per thread keeps each thread's stream sequential.
+        per_thread = math.ceil(numel / self.threads / _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
+        return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
+
+    def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper):
+        for s in range(lo, hi, self.chunk_numel):
+            e = min(hi, s + self.chunk_numel)
+            p = param[s:e]
+            g = grad[s:e]
+            if g.dtype != torch.float32:
+                g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
+            _adamw_chunk(p, g, exp_avg[s:e], exp_avg_sq[s:e], **hyper)
+            if out is not None:
+                out[s:e].copy_(p)
+
+
+def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay):
+    if _HAS_FUSED:
+        # The fused kernel reads the step count from a tensor and expects it
+        # already incremented (torch.optim.AdamW increments before calling it).
+        step_t = torch.tensor(float(step))
+        torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        return
+    # Same math as torch.optim.AdamW's single-tensor path.
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bias_correction1)

@@ -1,0 +1,84 @@
+import pytest
+import torch
+
+from infinity.optim.cpu_adam import CpuAdamW, _adamw_chunk
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _torch_adamw(param, grads, fused):
+    p = torch.nn.Parameter(param.clone())
+    opt = torch.optim.AdamW([p], fused=fused, **HYPER)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    s = opt.state[p]
+    return p.detach(), s["exp_avg"], s["exp_avg_sq"]
+
+
+@pytest.mark.parametrize("numel", [1, 1000, 3 * 4096 + 17])
+@pytest.mark.parametrize("threads, chunk", [(1, 256 * 1024), (2, 64), (3, 1000)])
+def test_matches_torch_fused_adamw_bitwise(numel, threads, chunk):
+    torch.manual_seed(0)
+    param = torch.randn(numel)
+    grads = [torch.randn(numel) for _ in range(3)]
+    ref_p, ref_m, ref_v = _torch_adamw(param, grads, fused=True)
+
+    adam = CpuAdamW(threads=threads, chunk_numel=chunk)
+    p, m, v = param.clone(), torch.zeros(numel), torch.zeros(numel)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    for step, g in enumerate(grads, start=1):
+        adam.step_(p, g, m, v, step=step, out=out, **HYPER)
+    adam.close()
+    assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
+    assert torch.equal(out, p.to(torch.bfloat16))
+
+
+def test_close_to_default_torch_adamw():
+    torch.manual_seed(1)
+    param = torch.randn(5000)
+    grads = [torch.randn(5000) for _ in range(5)]
+    ref_p, _, _ = _torch_adamw(param, grads, fused=False)
+    adam = CpuAdamW(threads=2)
+    p, m, v = param.clone(), torch.zeros(5000), torch.zeros(5000)
+    for step, g in enumerate(grads, start=1):
+        adam.step_(p, g, m, v, step=step, **HYPER)
+    torch.testing.assert_close(p, ref_p, rtol=1e-6, atol=1e-7)
+
+
+def test_fallback_math_matches_fused():
+    torch.manual_seed(2)
+    p1, g = torch.randn(777), torch.randn(777)
+    m1, v1 = torch.zeros(777), torch.zeros(777)
+    p2, m2, v2 = p1.clone(), m1.clone(), v1.clone()
+    kw = dict(step=1, lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    _adamw_chunk(p1, g, m1, v1, **kw)
+    import infinity.optim.cpu_adam as mod
+
+    saved, mod._HAS_FUSED = mod._HAS_FUSED, False
+    try:
+        _adamw_chunk(p2, g, m2, v2, **kw)
+    finally:
+        mod._HAS_FUSED = saved
+    torch.testing.assert_close(p1, p2, rtol=1e-6, atol=1e-7)
+
+
+def test_low_precision_grad_is_upcast():
+    torch.manual_seed(3)
+    param, g = torch.randn(300), torch.randn(300).to(torch.bfloat16)
+    adam = CpuAdamW(threads=1)
+    p, m, v = param.clone(), torch.zeros(300), torch.zeros(300)
+    adam.step_(p, g, m, v, step=1, **HYPER)
+    ref_p, _, _ = _torch_adamw(param, [g.float()], fused=True)
+    assert torch.equal(p, ref_p)
+
+
+def test_bad_shapes_and_dtypes_are_named():
+    adam = CpuAdamW(threads=1)
+    with pytest.raises(ValueError, match="exp_avg must be a contiguous CPU tensor of 10 elements"):
+        adam.step_(torch.zeros(10), torch.zeros(10), torch.zeros(9), torch.zeros(10), step=1, **HYPER)
+    with pytest.raises(ValueError, match="param must be fp32"):
+        adam.step_(torch.zeros(10, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(10), torch.zeros(10),
+                   step=1, **HYPER)
+    with pytest.raises(ValueError, match="chunk_numel"):
+        CpuAdamW(chunk_numel=0)
