@@ -1,0 +1,155 @@
+"""``infinity profile``: every section measured, the io section loadable, files written, bad input exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.cli import main
+from infinity.io import probe_direct_io
+from infinity.profile import (PROFILE_JSON, PROFILE_PLOT, best_io, measure_collectives, measure_host_device,
+                              measure_nvme)
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One real ``infinity profile --quick --json`` run (the program, in its own process), default sizes."""
+    root = tmp_path_factory.mktemp("profile")
+    out, swap = root / "out", root / "swap"
+    swap.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "infinity.cli", "profile", "--quick", "--json",
+         "--out", str(out), "--dir", str(swap), "--nproc", "2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return {"profile": json.loads(proc.stdout), "out": out, "swap": swap}
+
+
+def test_quick_json_has_every_section_with_positive_values(quick):
+    p = quick["profile"]
+    assert set(p) >= {"machine", "memcpy", "host_device", "nvme", "cpu_adam", "collectives", "io"}
+    m = p["machine"]
+    assert m["cpu_count"] >= 1 and m["cores_available"] >= 1 and m["ram_bytes"] > m["ram_available_bytes"] > 0
+    assert m["fs_type"] not in ("", "unknown")
+    assert m["direct_io"] == ("direct" if probe_direct_io(quick["swap"]) else "buffered") == p["nvme"]["mode"]
+    assert p["memcpy"]["bytes"] == 64 * MiB and p["memcpy"]["gbps"] > 0 and p["memcpy"]["single_thread_gbps"] > 0
+
+    hd = p["host_device"]
+    if torch.cuda.is_available():
+        assert hd["available"] and all(hd[f"{d}_{k}_gbps"] > 0 for d in ("h2d", "d2h") for k in ("pinned", "pageable"))
+    else:
+        assert hd == {"available": False, "reason": "no CUDA device: torch.cuda.is_available() is False"}
+
+    nvme = p["nvme"]
+    assert nvme["bytes_per_point"] == 16 * MiB and nvme["tensor_bytes"] == 4 * MiB
+    # quick grid: blocks 1 and 4 MiB x (threads 1 depth 1, threads 2 depth 1, threads 2 depth 2)
+    assert sorted((r["block_bytes"], r["threads"], r["queue_depth"]) for r in nvme["sweep"]) == [
+        (b, t, q) for b in (MiB, 4 * MiB) for t, q in ((1, 1), (2, 1), (2, 2))]
+    for row in nvme["sweep"]:
+        for key in ("read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps"):
+            assert row[key] > 0, (key, row)
+        raw = next(r for r in nvme["raw"]["rows"]
+                   if (r["block_bytes"], r["threads"]) == (row["block_bytes"], row["threads"]))
+        assert row["raw_read_gbps"] == raw["read_gbps"] and row["read_ratio"] == row["read_gbps"] / raw["read_gbps"]
+    assert len(nvme["raw"]["rows"]) == 4 and nvme["raw"]["mode"] == nvme["mode"]
+
+    adam = p["cpu_adam"]
+    assert adam["numel"] == 64 * MiB // 16 and adam["state_bytes_per_param"] == 16
+    assert adam["gbps"] > 0 and adam["torch_fused_gbps"] > 0
+    assert adam["params_per_s"] == pytest.approx(adam["gbps"] * 1e9 / 16)
+    assert adam["ratio"] == pytest.approx(adam["gbps"] / adam["torch_fused_gbps"])
+
+    co = p["collectives"]
+    assert co["available"] and co["nproc"] == 2 and co["backend"] == "gloo"
+    assert sorted((r["op"], r["bytes"]) for r in co["rows"]) == sorted(
+        (op, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for s in (256 * 1024, MiB, 4 * MiB))
+    for r in co["rows"]:
+        assert r["time_s"] > 0 and r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (1.0 if r["op"] == "all_reduce" else 0.5))
+
+
+def test_io_section_is_the_best_row_and_loads_as_config(quick):
+    p = quick["profile"]
+    io = p["io"]
+    best = max(p["nvme"]["sweep"], key=lambda r: min(r["read_gbps"], r["write_gbps"]))
+    assert io == {"block_bytes": best["block_bytes"], "queue_depth": best["queue_depth"],
+                  "threads": best["threads"], "direct": p["nvme"]["mode"] == "direct", "checksum": True}
+    loaded = infinity.Config.from_dict({"io": io}).io
+    assert {k: getattr(loaded, k) for k in io} == io
+
+
+def test_files_written_and_scratch_removed(quick):
+    on_disk = json.loads((quick["out"] / PROFILE_JSON).read_text())
+    assert on_disk == quick["profile"]
+    png = (quick["out"] / PROFILE_PLOT).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert list(quick["swap"].iterdir()) == []  # sweep files and scratch directory are gone
+
+
+def test_best_io_takes_highest_min_of_read_and_write():
+    rows = [
+        {"block_bytes": MiB, "queue_depth": 1, "threads": 1, "read_gbps": 9.0, "write_gbps": 0.5},
+        {"block_bytes": 4 * MiB, "queue_depth": 2, "threads": 2, "read_gbps": 2.0, "write_gbps": 1.5},
+        {"block_bytes": 8 * MiB, "queue_depth": 4, "threads": 4, "read_gbps": 1.0, "write_gbps": 8.0},
+    ]
+    assert best_io(rows, direct=False) == {"block_bytes": 4 * MiB, "queue_depth": 2, "threads": 2,
+                                           "direct": False, "checksum": True}
+    with pytest.raises(ValueError, match="no rows"):
+        best_io([], direct=True)
+
+
+def test_nvme_sweep_buffered_mode(tmp_path):
+    nvme = measure_nvme(str(tmp_path), 4 * MiB, quick=True, direct=False)  # 4 MiB blocks do not fit 4 times
+    assert nvme["mode"] == "buffered" and nvme["raw"]["mode"] == "buffered"
+    assert [(r["block_bytes"], r["threads"], r["queue_depth"]) for r in nvme["sweep"]] == [
+        (MiB, 1, 1), (MiB, 2, 1), (MiB, 2, 2)]
+    assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in nvme["sweep"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_single_rank_has_no_collectives(tmp_path):
+    assert measure_collectives(1, [MiB], 1, str(tmp_path)) == {
+        "available": False, "nproc": 1, "reason": "single rank: no collectives"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_host_device_without_cuda_says_why():
+    assert measure_host_device(MiB) == {"available": False,
+                                        "reason": "no CUDA device: torch.cuda.is_available() is False"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_device_cuda_measures_pinned_and_pageable():
+    hd = measure_host_device(16 * MiB, repeats=2)
+    assert hd["available"] and hd["bytes"] == 16 * MiB
+    assert all(hd[f"{d}_{k}_gbps"] > 0 for d in ("h2d", "d2h") for k in ("pinned", "pageable"))
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--nproc", "0"], "--nproc"),
+    (["--nproc", "two"], "--nproc"),
+    (["--bytes", "lots"], "--bytes"),
+    (["--bytes", "8MiB"], "--bytes"),
+    (["--dir", "{tmp}/missing"], "--dir"),
+    (["--dir", "{tmp}/afile"], "--dir"),
+    (["--out", "{tmp}/afile/sub"], "--out"),
+    (["--out", "{tmp}/afile"], "--out"),
+    (["--frobnicate"], "--frobnicate"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(capsys, tmp_path, argv, names):
+    (tmp_path / "afile").write_text("a regular file")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    code = main(["profile", "--quick", "--out", str(tmp_path / "out"), *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and names in err, err
+    # rejected before measuring: no output directory made, no scratch files left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
