@@ -232,7 +232,7 @@ class PrefetchConfig:
 class IOConfig:
     block_bytes: int = _f(8 * 2**20, _size, "each request is split into pieces of this size")
     queue_depth: int = _f(8, _int(1), "pieces in flight at once per engine")
-    threads: int = _f(2, _int(1), "worker threads issuing pread/pwrite")
+    threads: int = _f(4, _int(1), "worker threads issuing pread/pwrite (they block in the syscall, so more than cores is fine)")
     direct: Any = _f("auto", _bool_or_auto, "O_DIRECT: auto = probe the file system, fall back to buffered")
     checksum: bool = _f(True, _bool, "checksum each stored extent, verified on read")
 
