@@ -1,0 +1,28 @@
+"""The tiered tensor store (DESIGN §2, layer 2): tensors by key in device, host and NVMe tiers.
+
+``TensorStore`` keeps each key's home copy and working copies in faster tiers,
+moves them asynchronously (futures), tracks every copy's :class:`Residency`
+with checked transitions, and keeps each tier within its byte budget by
+evicting clean copies chosen by an :class:`EvictionPolicy`. Imports only
+``infinity.config`` and ``infinity.io``.
+"""
+
+from infinity.store.budget import BudgetError, resolve_budgets
+from infinity.store.eviction import Candidate, EvictionPolicy, LRUPolicy
+from infinity.store.host_pool import HostBufferPool
+from infinity.store.residency import IllegalTransition, Residency, StoreError, Tier
+from infinity.store.tensor_store import TensorStore
+
+__all__ = [
+    "TensorStore",
+    "Tier",
+    "Residency",
+    "StoreError",
+    "IllegalTransition",
+    "BudgetError",
+    "EvictionPolicy",
+    "LRUPolicy",
+    "Candidate",
+    "HostBufferPool",
+    "resolve_budgets",
+]

@@ -1,0 +1,147 @@
+"""Per-tier byte budgets: what "auto" means, the accounting, and how room is made.
+
+Trade-off: a bigger device budget keeps more working copies resident (fewer
+transfers per step) at the cost of memory the model's activations could use; a
+bigger host budget caches more NVMe-homed state at the cost of host RAM that
+other ranks on the machine share.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from infinity.config import TiersConfig, format_size
+from infinity.store.eviction import Candidate, EvictionPolicy
+from infinity.store.records import KeyRecord
+from infinity.store.residency import Residency, StoreError, Tier
+
+__all__ = ["BudgetError", "TierAccount", "resolve_budgets", "plan_room"]
+
+
+class BudgetError(StoreError):
+    """A tier cannot make room: nothing in it can be evicted and nothing in flight will free space."""
+
+    def __init__(self, tier: Tier, budget_bytes: int, in_use_bytes: int, requested_bytes: int, why: str):
+        super().__init__(
+            f"{tier.value} tier: cannot fit {requested_bytes} bytes ({format_size(requested_bytes)}): "
+            f"budget {budget_bytes} bytes ({format_size(budget_bytes)}), in use {in_use_bytes} bytes; {why}")
+        self.tier, self.budget_bytes = tier, budget_bytes
+        self.in_use_bytes, self.requested_bytes = in_use_bytes, requested_bytes
+
+
+def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[Tier, int]:
+    """Byte budgets for the device and host tiers (NVMe is bounded by the disk, not by us).
+
+    ``auto``: device = free CUDA memory now on a CUDA device, else 1/4 of physical
+    RAM (so the CPU "device" tier is small enough to be over-subscribed); host =
+    1/2 of the RAM available now.
+    """
+    if tiers.device_bytes != "auto":
+        device_bytes = tiers.device_bytes
+    elif device.type == "cuda" and torch.cuda.is_available():
+        device_bytes = torch.cuda.mem_get_info(device)[0]  # CUDA-only: (free, total) of this device
+    else:
+        device_bytes = psutil.virtual_memory().total // 4
+    host_bytes = tiers.host_bytes if tiers.host_bytes != "auto" else psutil.virtual_memory().available // 2
+    return {Tier.DEVICE: int(device_bytes), Tier.HOST: int(host_bytes)}
+
+
+@dataclass
+class TierAccount:
+    """Bytes reserved in one tier. ``budget_bytes`` None = unbounded (NVMe)."""
+
+    tier: Tier
+    budget_bytes: int | None
+    in_use_bytes: int = 0
+    peak_bytes: int = 0
+
+    def free_bytes(self) -> int | float:
+        return float("inf") if self.budget_bytes is None else self.budget_bytes - self.in_use_bytes
+
+    def reserve(self, nbytes: int) -> None:
+        if self.budget_bytes is not None and self.in_use_bytes + nbytes > self.budget_bytes:
+            # The store makes room before reserving; getting here means its bookkeeping is wrong.
+            raise AssertionError(f"{self.tier.value} tier over budget: {self.in_use_bytes} + {nbytes} "
+                                 f"> {self.budget_bytes}")
+        self.in_use_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        assert 0 <= nbytes <= self.in_use_bytes, (self.tier, nbytes, self.in_use_bytes)
+        self.in_use_bytes -= nbytes
+
+
+def plan_room(accounts: dict[Tier, TierAccount], policy: EvictionPolicy, records: dict[str, KeyRecord],
+              needs: dict[Tier, int], key: str) -> list[Candidate] | None:
+    """The copies to drop so every tier in ``needs`` has that many free bytes.
+
+    Returns the victims (possibly none), or None when some tier is short but an
+    operation in flight holds bytes there (its end frees or unlocks them: wait and
+    ask again). Raises :class:`BudgetError` when a tier is short and nothing will
+    change that. All or nothing: no victims unless every tier can be satisfied, so a
+    request that must wait does not throw cached copies away first.
+    """
+    victims, short_tiers = [], []
+    for tier, nbytes in needs.items():
+        acct = accounts[tier]
+        if nbytes > acct.budget_bytes:
+            rounded = " (host buffers are whole 4096-byte blocks)" if tier is Tier.HOST else ""
+            raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, nbytes,
+                              f"key {key!r} alone is bigger than the whole tier{rounded}")
+        short_bytes = nbytes - acct.free_bytes()
+        if short_bytes <= 0:
+            continue
+        candidates = _candidates(records, tier, key)
+        if sum(c.nbytes for c in candidates) < short_bytes:
+            short_tiers.append((tier, nbytes))
+            continue
+        chosen = policy.choose(candidates, short_bytes)
+        if sum(c.nbytes for c in chosen) < short_bytes or not set(chosen) <= set(candidates):
+            raise StoreError(f"eviction policy {type(policy).__name__} returned copies that do not free "
+                             f"{short_bytes} bytes from the {tier.value} tier")
+        victims += chosen
+    for tier, nbytes in short_tiers:
+        if _in_motion(records, tier):
+            return None
+        acct = accounts[tier]
+        raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, nbytes,
+                          f"for key {key!r} nothing can be evicted: {_holders(records, tier)}")
+    return victims
+
+
+def _candidates(records: dict[str, KeyRecord], tier: Tier, exclude_key: str) -> list[Candidate]:
+    """Copies in ``tier`` that can be dropped with no I/O (see eviction.py), in key order."""
+    out = []
+    for key in sorted(records):
+        rec = records[key]
+        c = rec.copies[tier]
+        if (key == exclude_key or rec.op is not None or tier is rec.home or c.pins
+                or c.state is not Residency.RESIDENT):
+            continue
+        stale = c.version != rec.latest
+        if stale or len(rec.current_tiers()) > 1:
+            out.append(Candidate(key, tier, c.reserved_bytes, c.last_use_tick, stale))
+    return out
+
+
+def _in_motion(records: dict[str, KeyRecord], tier: Tier) -> bool:
+    """Whether an operation in flight holds bytes in ``tier`` (its end may free or unlock them)."""
+    return any(rec.op is not None and rec.op.kind != "release" and rec.copies[tier].state is not Residency.ABSENT
+               for rec in records.values())
+
+
+def _holders(records: dict[str, KeyRecord], tier: Tier) -> str:
+    """Where a full tier's bytes are, for the error message."""
+    kinds: collections.Counter = collections.Counter()
+    for rec in records.values():
+        c = rec.copies[tier]
+        if c.state is Residency.ABSENT:
+            continue
+        kind = ("home copies" if tier is rec.home else "pinned" if c.pins else
+                "in motion" if rec.op is not None else "holding the only newest data (write back first)")
+        kinds[kind] += c.reserved_bytes
+    return ", ".join(f"{n} bytes {k}" for k, n in sorted(kinds.items())) or "the tier is empty"

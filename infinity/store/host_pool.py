@@ -1,0 +1,101 @@
+"""Reusable host buffers under one byte budget.
+
+Allocating page-locked memory costs far more than copying into it (CUDA pins
+page by page), and a training step asks for the same shard sizes again and
+again, so freed buffers are kept and handed out again to a request of the same
+rounded size. The pool never holds more than ``capacity_bytes`` in total
+(buffers in use plus cached free ones): when a new size does not fit, cached
+buffers are freed, oldest first.
+
+Every buffer is 4096-aligned (``infinity.io.aligned_empty``) so it can be the
+target of an O_DIRECT read, and its size is rounded up to 4096; the rounded
+size is what counts against the budget. (``aligned_empty`` itself allocates up
+to 4095 bytes of slack per buffer, which is not counted.) Pinned when CUDA is
+present and the pool was asked to pin.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from infinity.io import aligned_empty
+from infinity.store.residency import StoreError
+
+__all__ = ["HostBufferPool", "ALIGN_BYTES"]
+
+ALIGN_BYTES = 4096
+
+
+class HostBufferPool:
+    """Aligned (optionally pinned) uint8 host buffers, reused by size, within ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int, pin: bool = False):
+        if capacity_bytes < 0:
+            raise ValueError(f"HostBufferPool: capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.pin = pin
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []   # cached buffers, oldest release first
+        self.in_use_bytes = 0
+        self.cached_bytes = 0
+        self.peak_allocated_bytes = 0
+        self.hits = 0                         # acquires served from the cache
+        self.misses = 0                       # acquires that allocated
+
+    @staticmethod
+    def buffer_bytes(nbytes: int) -> int:
+        """What a request of ``nbytes`` costs against the budget (rounded up to 4096)."""
+        return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``buffer_bytes(nbytes)`` bytes, 4096-aligned; contents undefined."""
+        size = self.buffer_bytes(nbytes)
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):   # newest first: likeliest still in cache
+                if self._free[i].numel() == size:
+                    buf = self._free.pop(i)
+                    self.cached_bytes -= size
+                    self.in_use_bytes += size
+                    self.hits += 1
+                    return buf
+            if self.in_use_bytes + size > self.capacity_bytes:
+                raise StoreError(
+                    f"host buffer pool: cannot hand out {size} bytes: {self.in_use_bytes} of "
+                    f"{self.capacity_bytes} bytes are in use")
+            while self._free and self.in_use_bytes + self.cached_bytes + size > self.capacity_bytes:
+                self.cached_bytes -= self._free.pop(0).numel()
+            self.in_use_bytes += size
+            self.misses += 1
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.in_use_bytes + self.cached_bytes)
+        try:
+            # Allocate outside the lock: pinning a large buffer can take milliseconds.
+            return aligned_empty(size, pin=self.pin)
+        except BaseException:
+            with self._lock:
+                self.in_use_bytes -= size
+            raise
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Give a buffer from :meth:`acquire` back; the caller must not touch it afterwards."""
+        size = buf.numel()
+        with self._lock:
+            assert size <= self.in_use_bytes, (size, self.in_use_bytes)
+            self.in_use_bytes -= size
+            self._free.append(buf)
+            self.cached_bytes += size
+
+    def trim(self) -> int:
+        """Free every cached buffer; returns the bytes freed."""
+        with self._lock:
+            freed_bytes = self.cached_bytes
+            self._free.clear()
+            self.cached_bytes = 0
+        return freed_bytes
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"capacity_bytes": self.capacity_bytes, "in_use_bytes": self.in_use_bytes,
+                    "cached_bytes": self.cached_bytes, "peak_allocated_bytes": self.peak_allocated_bytes,
+                    "hits": self.hits, "misses": self.misses, "pinned": self.pin}

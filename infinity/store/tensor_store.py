@@ -1,0 +1,657 @@
+"""The tiered tensor store: tensors under string keys, each with a home tier and working copies.
+
+A key's *home* copy (device, host or NVMe) exists from ``register`` until
+``release``; ``bring`` makes a working copy in a faster tier, ``write_back``
+pushes the newest contents home, ``evict`` drops a working copy, ``release``
+forgets the key. Moves are asynchronous and return ``concurrent.futures.Future``s;
+a copy in motion is never handed out (``get`` raises; wait on the future).
+
+Moves go between adjacent tiers only (device <-> host <-> NVMe), so NVMe to
+device lands a host copy on the way; it stays as a clean cached copy that the
+budget may evict. Each moving operation reserves every byte it needs, in every
+tier, before it starts, and an operation in flight never waits for anything but
+its own I/O, so ops in flight always finish and whoever waits for space on them
+makes progress; when nothing in flight would free space and nothing can be
+evicted, the request fails with :class:`BudgetError` instead of waiting forever.
+
+Locking: one lock + condition guards all bookkeeping. It is never held while
+calling into the io layer, the device copier, or a returned future's
+``set_result`` (whose callbacks may call back into the store); it is held while
+the eviction policy runs, so a policy must not call the store. Completions run
+on io / copy threads; do not call blocking store methods from callbacks on the
+futures it returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import math
+import os
+import threading
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from infinity.config import IOConfig, TiersConfig
+from infinity.io import ExtentFile, IOEngine
+from infinity.store.budget import TierAccount, plan_room, resolve_budgets
+from infinity.store.device_copy import DeviceCopier
+from infinity.store.eviction import EvictionPolicy, LRUPolicy
+from infinity.store.host_pool import HostBufferPool
+from infinity.store.records import INVALID_VERSION, CopyRecord, KeyRecord, Transfer
+from infinity.store.residency import Residency, StoreError, Tier
+
+__all__ = ["TensorStore"]
+
+_R = Residency
+
+
+def _done(result=None) -> cf.Future:
+    f: cf.Future = cf.Future()
+    f.set_result(result)
+    return f
+
+
+class TensorStore:
+    """Tensors in device / host / NVMe tiers of one rank, within per-tier byte budgets.
+
+    ``swap_dir`` (default ``tiers.nvme_path``) is needed once a key is homed on
+    NVMe; the store makes its own private swap file there, removed on ``close``.
+    ``policy`` picks eviction victims (default :class:`LRUPolicy`).
+    """
+
+    def __init__(self, tiers: TiersConfig | None = None, io: IOConfig | None = None,
+                 device: torch.device | str = "cpu", rank: int = 0, swap_dir: str | os.PathLike | None = None,
+                 policy: EvictionPolicy | None = None):
+        self.tiers_config = tiers if tiers is not None else TiersConfig()
+        self.io_config = io if io is not None else IOConfig()
+        self.device = torch.device(device)
+        self.rank = rank
+        self.swap_dir = swap_dir if swap_dir is not None else self.tiers_config.nvme_path
+        self.policy = policy if policy is not None else LRUPolicy()
+        budgets = resolve_budgets(self.tiers_config, self.device)
+        self._accounts = {Tier.DEVICE: TierAccount(Tier.DEVICE, budgets[Tier.DEVICE]),
+                          Tier.HOST: TierAccount(Tier.HOST, budgets[Tier.HOST]),
+                          Tier.NVME: TierAccount(Tier.NVME, None)}
+        cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        self.pool = HostBufferPool(budgets[Tier.HOST], pin=cuda)
+        self._copier = DeviceCopier(self.device)
+        self._engine: IOEngine | None = None
+        self._extents: ExtentFile | None = None
+        self._keys: dict[str, KeyRecord] = {}
+        self._cond = threading.Condition(threading.Lock())
+        self._tick = 0
+        self._closed = False
+        self._moved_bytes: collections.Counter = collections.Counter()   # "src->dst" -> bytes
+        self._evictions: collections.Counter = collections.Counter()     # tier -> budget-driven drops
+        self._explicit_evictions: collections.Counter = collections.Counter()
+        self.recent_evictions: collections.deque = collections.deque(maxlen=4096)  # (key, tier) in order
+        self._wait_s = 0.0
+
+    # ------------------------------------------------------------------ public operations
+
+    def register(self, key: str, init: torch.Tensor | tuple | torch.Size, dtype: torch.dtype | None = None,
+                 home: Tier | str = Tier.NVME) -> cf.Future:
+        """Add ``key`` with home tier ``home``; its contents are ``init`` (a tensor) or zeros (a shape).
+
+        The tensor is copied before this returns, so the caller may reuse it at once. The
+        future is done when the contents are home. An NVMe-homed key is staged through a
+        host copy, which stays cached (clean) afterwards. If the write fails the key is
+        not registered.
+        """
+        home = Tier.parse(home)
+        if not isinstance(key, str) or not key:
+            raise StoreError(f"register: key must be a non-empty str, got {key!r}")
+        if isinstance(init, torch.Tensor):
+            if dtype is not None and dtype != init.dtype:
+                raise StoreError(f"register {key!r}: dtype {dtype} given for a tensor of dtype {init.dtype}")
+            shape, dtype = tuple(init.shape), init.dtype
+        else:
+            if dtype is None:
+                raise StoreError(f"register {key!r}: a shape needs a dtype")
+            shape, init = tuple(int(n) for n in init), None
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if home is Tier.NVME:
+            self._open_extents(key)
+
+        def plan(rec: KeyRecord | None) -> Transfer:
+            if rec is not None:
+                raise StoreError(f"register: key {key!r} is already registered (home {rec.home.value})")
+            hops = [(None, Tier.HOST), (Tier.HOST, Tier.NVME)] if home is Tier.NVME else [(None, home)]
+            return Transfer("register", home, hops, version=0, init=init)
+
+        new = KeyRecord(key, shape, dtype, nbytes, home)
+        return self._issue(key, "register", plan, new_record=new)
+
+    def bring(self, key: str, tier: Tier | str, pin: bool = False) -> cf.Future:
+        """Make the ``tier`` copy of ``key`` current. Future of its tensor (None for NVMe).
+
+        ``tier`` may be the home tier or a faster one. With ``pin`` the copy is pinned
+        (see :meth:`pin`) atomically when it is ready, so nothing can evict it in between;
+        without, another thread's bring may evict it under budget pressure once it is ready.
+        A second bring of the same key and tier while one is in flight shares its future.
+        """
+        tier = Tier.parse(tier)
+
+        def plan(rec):
+            if rec.op is not None and rec.op.kind == "bring" and rec.op.target is tier:
+                if pin:
+                    rec.op.pins_on_done.append(threading.get_ident())
+                return rec.op.future
+            return self._plan_current(rec, tier, "bring", pin)
+        return self._issue(key, "bring", plan)
+
+    def write_back(self, key: str) -> cf.Future:
+        """Push the newest contents of ``key`` to its home tier. Future[None]; done at once if clean."""
+        def plan(rec):
+            if rec.op is not None and rec.op.kind == "write_back":
+                return rec.op.future
+            return self._plan_current(rec, rec.home, "write_back", False)
+        return self._issue(key, "write_back", plan)
+
+    def evict(self, key: str, tier: Tier | str) -> cf.Future:
+        """Drop the ``tier`` working copy of ``key``. Future[None].
+
+        If that copy holds the only newest contents (home is stale), it is written back
+        home first, then dropped; otherwise it is dropped at once. Evicting an absent copy
+        does nothing. Refused for the home copy (use :meth:`release`) and for a pinned copy.
+        """
+        tier = Tier.parse(tier)
+
+        def plan(rec: KeyRecord):
+            if rec.op is not None and rec.op.kind == "evict" and rec.op.hops[0][0] is tier:
+                return rec.op.future
+            if rec.op is not None:
+                return None   # another operation moves this key: wait for it
+            copy = rec.copies[tier]
+            if tier is rec.home:
+                raise self._refuse(rec, tier, "evict", "it is the home copy; release() forgets the key")
+            if copy.state is _R.ABSENT:
+                return _done()
+            if copy.pins:
+                raise self._refuse(rec, tier, "evict", "it is pinned (in use); unpin it first")
+            if rec.current_tiers() != [tier]:   # someone else holds the newest bytes (or this copy is stale)
+                self._drop(rec, tier, "evict")
+                self._explicit_evictions[tier] += 1
+                self.recent_evictions.append((rec.key, tier))
+                return _done()
+            hops = self._path(tier, rec.home)
+            if self._targets_pinned(rec, hops, "evict"):
+                return None
+            return Transfer("evict", rec.home, hops, version=rec.latest)
+        return self._issue(key, "evict", plan)
+
+    def release(self, key: str) -> None:
+        """Forget ``key``: every copy, including home, is freed. Waits for an operation in flight."""
+        with self._cond:
+            waited_from = None
+            while (rec := self._lookup(key, "release")).op is not None:
+                waited_from = waited_from or time.perf_counter()
+                self._cond.wait()
+            if waited_from is not None:
+                self._wait_s += time.perf_counter() - waited_from
+            for t in Tier:
+                if rec.copies[t].pins:
+                    raise self._refuse(rec, t, "release", "it is pinned (in use); unpin it first")
+            for t in (Tier.DEVICE, Tier.HOST):
+                if rec.copies[t].state is not _R.ABSENT:
+                    self._drop(rec, t, "release")
+            # The extent is freed outside the lock (never call io under it); until the record
+            # is removed below the key stays busy, so a re-register waits instead of racing this.
+            rec.op = Transfer("release", rec.home, [], version=rec.latest)
+            nvme_home = rec.copies[Tier.NVME].state is not _R.ABSENT
+        try:
+            if nvme_home and self._extents.contains(key):
+                self._extents.free(key)
+        finally:
+            with self._cond:
+                if nvme_home:
+                    self._drop(rec, Tier.NVME, "release")
+                del self._keys[key]
+                self._cond.notify_all()
+
+    def get(self, key: str, tier: Tier | str) -> torch.Tensor:
+        """The ``tier`` copy's tensor; raises unless it is current and at rest (not in motion).
+
+        Not pinned: another thread's bring may evict it under budget pressure. Use
+        :meth:`use` or :meth:`pin` to hold it.
+        """
+        tier = Tier.parse(tier)
+        with self._cond:
+            rec = self._lookup(key, "get")
+            self._check_usable(rec, tier, "get")
+            self._touch(rec.copies[tier])
+            return rec.copies[tier].tensor
+
+    def pin(self, key: str, tier: Tier | str) -> torch.Tensor:
+        """Keep the ``tier`` copy from being evicted or released until :meth:`unpin`; returns it."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            rec = self._lookup(key, "pin")
+            self._check_usable(rec, tier, "pin")
+            rec.copies[tier].pin(threading.get_ident())
+            self._touch(rec.copies[tier])
+            return rec.copies[tier].tensor
+
+    def unpin(self, key: str, tier: Tier | str) -> None:
+        tier = Tier.parse(tier)
+        with self._cond:
+            rec = self._lookup(key, "unpin")
+            if not rec.copies[tier].pins:
+                raise self._refuse(rec, tier, "unpin", "it is not pinned")
+            rec.copies[tier].unpin()
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def use(self, key: str, tier: Tier | str, dirty: bool = False) -> Iterator[torch.Tensor]:
+        """``with store.use(key, tier, dirty=True) as t:`` bring, pin, yield; on exit mark dirty, unpin.
+
+        ``dirty`` is marked on exit, after the caller's writes, so a write-back racing with
+        the block can never leave home holding half-written bytes labelled as the newest.
+        """
+        tier = Tier.parse(tier)
+        tensor = self.wait(self.bring(key, tier, pin=True))
+        try:
+            yield tensor
+        finally:
+            try:
+                if dirty:   # also when the block raised: it may have written part of the copy
+                    self.mark_dirty(key, tier)
+            finally:
+                self.unpin(key, tier)
+
+    def wait(self, fut: cf.Future):
+        """``fut.result()``, with the time spent blocked counted in ``stats()["wait_s"]``."""
+        if fut.done():
+            return fut.result()
+        t0 = time.perf_counter()
+        try:
+            return fut.result()
+        finally:
+            with self._cond:
+                self._wait_s += time.perf_counter() - t0
+
+    def mark_dirty(self, key: str, tier: Tier | str) -> None:
+        """Record that the caller changed the ``tier`` copy: it becomes the only current copy.
+
+        The copy must be current (at rest, or the source of a transfer in flight: that
+        transfer then carries the old version and its destination stays stale).
+        """
+        tier = Tier.parse(tier)
+        with self._cond:
+            rec = self._lookup(key, "mark_dirty")
+            if tier is Tier.NVME or not rec.is_current(tier):
+                raise self._refuse(rec, tier, "mark_dirty", "only a current device/host copy can be changed")
+            rec.latest += 1
+            rec.copies[tier].version = rec.latest
+            self._touch(rec.copies[tier])
+
+    # ------------------------------------------------------------------ inspection
+
+    def __contains__(self, key: str) -> bool:
+        with self._cond:
+            return key in self._keys
+
+    def keys(self) -> list[str]:
+        with self._cond:
+            return sorted(self._keys)
+
+    def residency(self, key: str) -> dict[Tier, Residency]:
+        with self._cond:
+            rec = self._lookup(key, "residency")
+            return {t: rec.copies[t].state for t in Tier}
+
+    def is_dirty(self, key: str) -> bool:
+        with self._cond:
+            return self._lookup(key, "is_dirty").dirty
+
+    def home(self, key: str) -> Tier:
+        with self._cond:
+            return self._lookup(key, "home").home
+
+    def stats(self) -> dict:
+        """Counters, JSON-ready. Tier bytes are reserved bytes (host: 4096-rounded pool buffers)."""
+        with self._cond:
+            out = {
+                "keys": len(self._keys),
+                "budget_bytes": {t.value: a.budget_bytes for t, a in self._accounts.items()},
+                "tier_bytes": {t.value: a.in_use_bytes for t, a in self._accounts.items()},
+                "peak_bytes": {t.value: a.peak_bytes for t, a in self._accounts.items()},
+                "moved_bytes": dict(sorted(self._moved_bytes.items())),
+                "evictions": {t.value: self._evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
+                "explicit_evictions": {t.value: self._explicit_evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
+                "wait_s": self._wait_s,
+            }
+            extents = self._extents
+        out["host_pool"] = self.pool.stats()
+        out["io"] = extents.stats() if extents is not None else None
+        return out
+
+    def close(self) -> None:
+        """Wait for operations in flight, release every key, remove the swap file. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            while any(rec.op is not None for rec in self._keys.values()):
+                self._cond.wait()
+            for rec in self._keys.values():
+                for c in rec.copies.values():
+                    c.pinned_by.clear()
+            keys = list(self._keys)
+        for key in keys:
+            self.release(key)
+        with self._cond:
+            self._closed = True
+        self._copier.close()
+        if self._extents is not None:
+            self._extents.close(remove=True)
+        if self._engine is not None:
+            self._engine.close()
+        self.pool.trim()
+
+    def __enter__(self) -> "TensorStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ planning
+
+    @staticmethod
+    def _path(src: Tier, dst: Tier) -> list[tuple[Tier, Tier]]:
+        """Adjacent-tier hops from ``src`` to ``dst`` (device -> host -> nvme or back)."""
+        lo, hi = sorted((src.rank, dst.rank))
+        tiers = list(Tier)[lo:hi + 1]
+        if src.rank > dst.rank:
+            tiers.reverse()
+        return list(zip(tiers, tiers[1:]))
+
+    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool):
+        """A Transfer that makes the ``tier`` copy current, or a done future if it already is."""
+        if tier.rank > rec.home.rank:
+            raise self._refuse(rec, tier, kind, f"it is slower than the home tier ({rec.home.value}); "
+                                                "working copies live in faster tiers")
+        copy = rec.copies[tier]
+        if copy.state is _R.RESIDENT and copy.version == rec.latest:
+            if pin:
+                copy.pin(threading.get_ident())
+            self._touch(copy)
+            return _done(None if kind == "write_back" else copy.tensor)
+        if rec.op is not None:
+            return None   # another operation moves this key: wait for it, then plan again
+        # Nearest current copy; on a tie the faster one (a memory copy beats a disk read).
+        source = min(rec.current_tiers(), key=lambda t: (abs(t.rank - tier.rank), t.rank))
+        hops = self._path(source, tier)
+        if self._targets_pinned(rec, hops, kind):
+            return None
+        op = Transfer(kind, tier, hops, version=rec.latest)
+        op.pins_on_done = [threading.get_ident()] if pin else []
+        return op
+
+    def _targets_pinned(self, rec: KeyRecord, hops: list, kind: str) -> bool:
+        """Whether a copy the hops would overwrite is pinned by another thread (then: wait for it).
+
+        A pinned copy here is stale (a current one would be a source, not a target), and
+        refreshing it in place would change bytes under its reader. If the calling thread
+        holds the pin, waiting would deadlock, so that is an error instead.
+        """
+        for _, t in hops:
+            if rec.copies[t].pinned_by_me():
+                raise self._refuse(rec, t, kind, "this thread has it pinned, but it is stale and refreshing "
+                                                 "it would overwrite it while in use; unpin it first")
+            if rec.copies[t].pins:
+                return True
+        return False
+
+    def _cost(self, rec: KeyRecord, tier: Tier) -> int:
+        return self.pool.buffer_bytes(rec.nbytes) if tier is Tier.HOST else rec.nbytes
+
+    def _issue(self, key: str, op_name: str, plan: Callable, new_record: KeyRecord | None = None) -> cf.Future:
+        """Wait for ``key`` to be idle and for room, then start the Transfer that ``plan`` returns.
+
+        ``plan(rec)`` runs under the lock and returns a future (nothing to move, or a
+        matching operation in flight to share), a Transfer to start, or None: the key is
+        busy with another operation, wait and plan again.
+        """
+        waited_from = None
+        with self._cond:
+            try:
+                while True:
+                    if self._closed:
+                        raise StoreError(f"{op_name} {key!r}: the store is closed")
+                    rec = self._keys.get(key)
+                    if rec is None and new_record is None:
+                        raise StoreError(f"{op_name}: unknown key {key!r} (registered: {len(self._keys)} keys)")
+                    # A key being released is waited out: it is gone afterwards (or re-registrable).
+                    result = None if rec is not None and rec.op is not None and rec.op.kind == "release" \
+                        else plan(rec)
+                    if isinstance(result, cf.Future):
+                        return result
+                    if result is not None:
+                        rec = rec or new_record
+                        needs = {t: self._cost(rec, t) for _, t in result.hops
+                                 if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
+                        if self._make_room(needs, key):
+                            break
+                    waited_from = waited_from or time.perf_counter()
+                    self._cond.wait()
+                self._begin(rec, result)
+            finally:
+                if waited_from is not None:
+                    self._wait_s += time.perf_counter() - waited_from
+        self._start(rec, result)
+        return result.future
+
+    def _make_room(self, needs: dict[Tier, int], key: str) -> bool:
+        """Evict what the policy picks so that ``needs`` fits: True; False = wait for ops in flight."""
+        victims = plan_room(self._accounts, self.policy, self._keys, needs, key)
+        if victims is None:
+            return False
+        for c in victims:
+            self._drop(self._keys[c.key], c.tier, "evict (budget)")
+            self._evictions[c.tier] += 1
+            self.recent_evictions.append((c.key, c.tier))
+        return True
+
+    # ------------------------------------------------------------------ running transfers
+
+    def _begin(self, rec: KeyRecord, op: Transfer) -> None:
+        """Under the lock: reserve, set states, mark the key busy. No I/O here."""
+        if op.kind == "register":
+            self._keys[rec.key] = rec
+        for _, t in op.hops:
+            copy = rec.copies[t]
+            if copy.state is _R.ABSENT:
+                copy.reserved_bytes = self._cost(rec, t)
+                self._accounts[t].reserve(copy.reserved_bytes)
+                op.new_copies.append(t)
+            rec.move(t, _R.FILLING, op.kind)
+        first_src = op.hops[0][0]
+        if first_src is not None:
+            rec.move(first_src, _R.DRAINING, op.kind)
+        rec.op = op
+
+    def _start(self, rec: KeyRecord, op: Transfer) -> None:
+        """Outside the lock: allocate the new copies' memory, then run the first hop."""
+        try:
+            for t in op.new_copies:
+                copy = rec.copies[t]
+                if t is Tier.HOST:
+                    copy.buffer = self.pool.acquire(rec.nbytes)
+                    copy.tensor = copy.buffer[:rec.nbytes].view(rec.dtype).view(rec.shape)
+                elif t is Tier.DEVICE:
+                    copy.tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+        except BaseException as e:   # noqa: BLE001 - out of memory: fail the op, roll back the reservation
+            self._hop_done(rec, op, 0, e)
+            return
+        self._run_hop(rec, op, 0)
+
+    def _run_hop(self, rec: KeyRecord, op: Transfer, index: int) -> None:
+        """Outside the lock: start hop ``index``; its source is DRAINING and its target FILLING."""
+        src, dst = op.hops[index]
+        try:
+            if src is None:   # register: the caller's tensor (or zeros), copied synchronously
+                target = rec.copies[dst].tensor
+                with torch.no_grad():   # init may be a Parameter: the copy must not join its graph
+                    target.copy_(op.init) if op.init is not None else target.zero_()
+                op.init = None
+                fut = _done()
+            elif dst is Tier.NVME:
+                fut = self._extents.write(rec.key, rec.copies[src].buffer[:rec.nbytes])
+            elif src is Tier.NVME:
+                fut = self._extents.read(rec.key, rec.copies[dst].buffer[:rec.nbytes])
+            else:
+                fut = self._copier.copy(rec.copies[dst].tensor, rec.copies[src].tensor)
+        except BaseException as e:   # noqa: BLE001 - a hop that cannot even start fails its op
+            self._hop_done(rec, op, index, e)
+            return
+        fut.add_done_callback(lambda f: self._hop_done_guarded(rec, op, index, f.exception()))
+
+    def _hop_done_guarded(self, rec: KeyRecord, op: Transfer, index: int, error: BaseException | None) -> None:
+        """Futures swallow what their callbacks raise: a bug here must still fail the op, not hang it."""
+        try:
+            self._hop_done(rec, op, index, error)
+        except BaseException as e:   # noqa: BLE001
+            if not op.future.done():
+                op.future.set_exception(e)
+            raise
+
+    def _hop_done(self, rec: KeyRecord, op: Transfer, index: int, error: BaseException | None) -> None:
+        """A hop finished (on an io/copy thread, or inline). Update states; start the next hop or finish."""
+        src, dst = op.hops[index]
+        more = error is None and index + 1 < len(op.hops)
+        with self._cond:
+            if error is None:
+                rec.move(dst, _R.RESIDENT, op.kind)
+                rec.copies[dst].version = op.version
+                self._touch(rec.copies[dst])
+                self._moved_bytes[f"{src.value if src else 'caller'}->{dst.value}"] += rec.nbytes
+            if more:
+                # In one locked step, so no get() can grab the copy between landing and leaving.
+                rec.move(dst, _R.DRAINING, op.kind)
+                # An evicted copy stays DRAINING until home has its bytes: pinning it or handing
+                # it out meanwhile would let a writer race the drop that follows.
+                if src is not None and not (op.kind == "evict" and src is op.hops[0][0]):
+                    rec.move(src, _R.RESIDENT, op.kind)
+            else:
+                for t in Tier:
+                    if rec.copies[t].state is _R.DRAINING:
+                        rec.move(t, _R.RESIDENT, op.kind)
+                result = self._finish(rec, op) if error is None else self._fail(rec, op, index)
+            self._cond.notify_all()
+        if more:
+            self._run_hop(rec, op, index + 1)
+        elif error is not None:
+            if hasattr(error, "add_note"):
+                error.add_note(f"infinity store: {op.kind} of key {rec.key!r} failed moving "
+                               f"{src.value if src else 'caller'} -> {dst.value}; the key keeps its previous state")
+            op.future.set_exception(error)
+        elif isinstance(result, BaseException):
+            op.future.set_exception(result)
+        else:
+            op.future.set_result(result)
+
+    def _finish(self, rec: KeyRecord, op: Transfer):
+        """Under the lock, after the last hop: the op's result (or the error to raise)."""
+        rec.op = None
+        result = None
+        if op.kind == "evict":
+            evicted = op.hops[0][0]
+            if rec.current_tiers() == [evicted]:   # mark_dirty'd while draining: home is stale again
+                result = self._refuse(rec, evicted, "evict", "it was marked dirty while being written "
+                                                             "back; it was kept, evict again")
+            else:
+                self._drop(rec, evicted, "evict")
+                self._explicit_evictions[evicted] += 1
+                self.recent_evictions.append((rec.key, evicted))
+        elif op.kind == "bring":
+            result = rec.copies[op.target].tensor
+        for thread_id in op.pins_on_done:
+            rec.copies[op.target].pin(thread_id)
+        return result
+
+    def _fail(self, rec: KeyRecord, op: Transfer, index: int) -> None:
+        """Under the lock: undo what hop ``index`` and the hops after it reserved.
+
+        Copies filled by earlier hops stay (they are valid); a new copy that was being
+        filled is dropped; an existing copy (a stale one, or home) keeps its bytes but
+        holds no valid version. The source keeps the newest bytes, so nothing is lost.
+        """
+        rec.op = None
+        for _, t in op.hops[index:]:
+            copy = rec.copies[t]
+            if copy.state is not _R.FILLING:
+                continue
+            copy.version = INVALID_VERSION
+            if t in op.new_copies and t is not rec.home:
+                self._drop(rec, t, f"{op.kind} (failed)")
+            else:
+                rec.move(t, _R.RESIDENT, f"{op.kind} (failed)")
+        if op.kind == "register":
+            # Never became a key. Its extent is not stored either: io forgets a failed write.
+            for t in Tier:
+                if rec.copies[t].state is not _R.ABSENT:
+                    self._drop(rec, t, "register (failed)")
+            del self._keys[rec.key]
+
+    def _drop(self, rec: KeyRecord, tier: Tier, op: str) -> None:
+        """Under the lock: free one copy's memory and its reservation (NVMe: the caller frees the extent)."""
+        copy = rec.copies[tier]
+        rec.move(tier, _R.ABSENT, op)
+        if copy.buffer is not None:
+            self.pool.release(copy.buffer)
+        self._accounts[tier].unreserve(copy.reserved_bytes)
+        rec.copies[tier] = CopyRecord()
+
+    # ------------------------------------------------------------------ small helpers
+
+    def _touch(self, copy: CopyRecord) -> None:
+        self._tick += 1
+        copy.last_use_tick = self._tick
+
+    def _lookup(self, key: str, op: str) -> KeyRecord:
+        if self._closed:
+            raise StoreError(f"{op} {key!r}: the store is closed")
+        rec = self._keys.get(key)
+        if rec is None:
+            raise StoreError(f"{op}: unknown key {key!r} (registered: {len(self._keys)} keys)")
+        return rec
+
+    def _check_usable(self, rec: KeyRecord, tier: Tier, op: str) -> None:
+        c = rec.copies[tier]
+        if tier is Tier.NVME:
+            raise self._refuse(rec, tier, op, "an NVMe copy is a file extent; bring it to host for a tensor")
+        if c.state is _R.ABSENT:
+            raise self._refuse(rec, tier, op, f"bring({rec.key!r}, {tier.value!r}) first")
+        if c.state is not _R.RESIDENT:
+            raise self._refuse(rec, tier, op, "it is in motion; wait on the future of the operation moving it")
+        if c.version != rec.latest:
+            newer = ", ".join(t.value for t in rec.current_tiers())
+            raise self._refuse(rec, tier, op, f"it is stale (newest contents in: {newer}); bring it again")
+
+    def _refuse(self, rec: KeyRecord, tier: Tier, op: str, why: str) -> StoreError:
+        return StoreError(f"rank {self.rank} store key {rec.key!r} (home {rec.home.value}): {op} refused "
+                          f"for the {tier.value} copy, which is {rec.describe(tier)}: {why}")
+
+    def _open_extents(self, key: str) -> None:
+        if self._extents is not None:
+            return
+        if self.swap_dir is None:
+            raise StoreError(f"register {key!r} with home nvme: no swap directory; set tiers.nvme_path "
+                             "or pass swap_dir to TensorStore")
+        engine = IOEngine(self.io_config)
+        try:
+            extents = ExtentFile(self.swap_dir, engine, direct=self.io_config.direct,
+                                 checksum=self.io_config.checksum)
+        except BaseException:
+            engine.close()
+            raise
+        with self._cond:
+            if self._extents is None:
+                self._engine, self._extents = engine, extents
+                return
+        extents.close(remove=True)   # another thread opened one first
+        engine.close()
