@@ -1,0 +1,112 @@
+"""``infinity.initialize``: turn an ordinary module into a ZeRO-trained one (DESIGN §1)."""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from infinity.config import Config, ConfigError
+from infinity.optim.sharded_adamw import ShardedAdamW
+from infinity.zero.engine import ZeroEngine
+
+__all__ = ["initialize", "engine_of"]
+
+_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+
+
+def initialize(model: nn.Module, config=None, params=None):
+    """Shard ``model``'s training state as ``config`` says; returns ``(model, optimizer)``.
+
+    ``model`` is changed in place: its trainable parameters become views into
+    flat per-unit buffers in the compute dtype, and hooks drive gathering and
+    gradient reduction from an ordinary forward and ``loss.backward()``.
+    ``params`` is what a torch optimizer takes (parameters, or param-group dicts
+    with their own ``lr`` / ``weight_decay`` / ``betas`` / ``eps``); default: every
+    trainable parameter in one group. The optimizer is a real
+    ``torch.optim.Optimizer`` with AdamW semantics; gradients live in the
+    engine's shards (``param.grad`` stays None): use
+    ``optimizer.clip_grad_norm_(max_norm)`` for clipping.
+
+    World size 1 needs no ``torch.distributed``; under ``torchrun`` (``WORLD_SIZE``
+    etc. set) the default process group is created if it is not up yet
+    (NCCL on CUDA, gloo on CPU).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+    if model in _ENGINES:
+        raise RuntimeError(f"initialize: this {type(model).__name__} was already initialized; its parameters are "
+                           "views into the first engine's buffers. Build a fresh model to initialize again")
+    cfg = Config.load(config)
+    _check_supported(cfg)
+    device = _init_distributed()
+    if device.type == "cuda":
+        model.to(device)
+    groups = _param_groups(model, params)
+    engine = ZeroEngine(model, cfg, groups, device=device)
+    o = cfg.optimizer
+    optimizer = ShardedAdamW(groups, engine, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    _ENGINES[model] = engine
+    return model, optimizer
+
+
+def engine_of(model: nn.Module) -> ZeroEngine:
+    """The engine ``initialize`` built for ``model`` (stats, units, resident bytes)."""
+    try:
+        return _ENGINES[model]
+    except KeyError:
+        raise KeyError(f"{type(model).__name__} was not passed through infinity.initialize") from None
+
+
+def _check_supported(cfg: Config) -> None:
+    off = cfg.offload
+    placed = [k for k in ("optimizer", "params", "grads") if getattr(off, k) != "none"]
+    if placed:
+        raise ConfigError(f"offload.{placed[0]}: '{getattr(off, placed[0])}' is not available in this version "
+                          "(the ZeRO engine keeps every shard in device memory); set it to 'none'")
+
+
+def _init_distributed() -> torch.device:
+    cuda = torch.cuda.is_available()
+    if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"initialize: WORLD_SIZE={os.environ['WORLD_SIZE']} but {missing[0]} is not set; "
+                               "start with torchrun or set RANK, MASTER_ADDR and MASTER_PORT")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:  # CUDA-only: one device per local rank
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def _param_groups(model: nn.Module, params) -> list:
+    if params is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("initialize: params must be an iterable of parameters or param-group dicts, "
+                        "got a single tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("initialize: params is empty")
+    if all(isinstance(x, dict) for x in items):
+        groups = []
+        for i, g in enumerate(items):
+            unknown = sorted(set(g) - set(_GROUP_KEYS))
+            if unknown:
+                raise ValueError(f"initialize: param group {i} has unsupported key {unknown[0]!r}; "
+                                 f"valid keys: {', '.join(_GROUP_KEYS)}")
+            if "params" not in g:
+                raise ValueError(f"initialize: param group {i} has no 'params'")
+            ps = g["params"]
+            g = dict(g, params=[ps] if isinstance(ps, torch.Tensor) else list(ps))
+            groups.append(g)
+        return groups
+    if any(isinstance(x, dict) for x in items):
+        raise TypeError("initialize: params mixes parameters and param-group dicts")
+    return [{"params": items}]

@@ -1,0 +1,1 @@
+"""Optimizers over flat shards (kept import-light: import the submodule you need)."""

@@ -1,0 +1,204 @@
+"""Collectives over the data-parallel group, with byte accounting.
+
+Every collective the engine issues goes through :class:`Collectives`, which
+counts, per kind, the logical elements and bytes (the size of the full
+gathered / reduced buffer; what the ZeRO paper calls "volume") and the bytes
+this rank sends and receives under a ring schedule (``(N-1)/N`` of the buffer
+for an all-gather or a reduce-scatter, twice that for an all-reduce).
+
+:class:`LocalCollectives` is the world-size-1 version with the same API: no
+process group needed, every collective is a copy (or nothing), and the same
+logical volume is counted so the theory checks read the same at every size.
+
+The torch 2.13 names are used (``all_gather_single``, ``reduce_scatter_single``);
+older torch falls back to ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collectives", "LocalCollectives", "CommCounters", "make_collectives"]
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommCounters:
+    """Per-kind totals since the last :meth:`reset`."""
+
+    calls: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    elements: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    # ZeRO-paper volume: an all-reduce counts twice (reduce-scatter + all-gather)
+    volume_elements: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    sent_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    received_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    wait_s: float = 0.0
+
+    def add(self, kind: str, numel: int, itemsize: int, ring_fraction: float) -> None:
+        self.calls[kind] += 1
+        self.elements[kind] += numel
+        self.volume_elements[kind] += 2 * numel if kind == "all_reduce" else numel
+        self.bytes[kind] += numel * itemsize
+        moved = int(round(numel * itemsize * ring_fraction))
+        self.sent_bytes[kind] += moved
+        self.received_bytes[kind] += moved
+
+    def reset(self) -> None:
+        for d in (self.calls, self.elements, self.volume_elements, self.bytes, self.sent_bytes,
+                  self.received_bytes):
+            for k in d:
+                d[k] = 0
+        self.wait_s = 0.0
+
+    def snapshot(self) -> dict:
+        return {
+            "calls": dict(self.calls), "elements": dict(self.elements),
+            "volume_elements": dict(self.volume_elements), "bytes": dict(self.bytes),
+            "sent_bytes": dict(self.sent_bytes), "received_bytes": dict(self.received_bytes),
+            "wait_s": self.wait_s,
+        }
+
+
+class Pending:
+    """A launched collective; :meth:`wait` blocks and books the wait time."""
+
+    __slots__ = ("_work", "_counters", "_then")
+
+    def __init__(self, work, counters: CommCounters, then=None):
+        self._work, self._counters, self._then = work, counters, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            t0 = time.perf_counter()
+            self._work.wait()
+            self._counters.wait_s += time.perf_counter() - t0
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _finish(work, counters: CommCounters, then, async_op: bool) -> Pending:
+    """Async: the caller waits (and ``then`` runs on wait). Sync: ``then`` runs now."""
+    pending = Pending(work, counters, then)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+class Collectives:
+    """The data-parallel process group; one instance per engine."""
+
+    def __init__(self, group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Collectives needs torch.distributed initialized; use LocalCollectives at world size 1")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self.counters = CommCounters()
+
+    def _ring(self, times: int = 1) -> float:
+        return times * (self.world_size - 1) / self.world_size
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, then=None) -> Pending:
+        """``full`` (N * shard numel) <- every rank's ``shard``, in rank order."""
+        if full.numel() != shard.numel() * self.world_size:
+            raise ValueError(f"all_gather: full buffer has {full.numel()} elements, expected "
+                             f"{self.world_size} x {shard.numel()} (rank {self.rank})")
+        self.counters.add("all_gather", full.numel(), full.element_size(), self._ring())
+        work = _all_gather(full, shard, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, average: bool = True,
+                       async_op: bool = False, then=None) -> Pending:
+        """``shard`` <- this rank's slice of the sum (or mean) of every rank's ``full``."""
+        if full.numel() != shard.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
+                             f"{self.world_size} x {shard.numel()} (rank {self.rank})")
+        self.counters.add("reduce_scatter", full.numel(), full.element_size(), self._ring())
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = _reduce_scatter(shard, full, op=op, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, average: bool = True, async_op: bool = False, then=None) -> Pending:
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op)
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """Small control all-reduce (overflow flags); counted like any other."""
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.counters.add("broadcast", tensor.numel(), tensor.element_size(), self._ring())
+        dist.broadcast(tensor, src=src, group=self.group)
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (control data, e.g. structure signatures); not counted."""
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+class LocalCollectives:
+    """World size 1, no process group: same API, same logical volume counted, nothing sent."""
+
+    rank = 0
+    world_size = 1
+    backend = "local"
+    group = None
+
+    def __init__(self):
+        self.counters = CommCounters()
+
+    def all_gather(self, full, shard, async_op=False, then=None) -> Pending:
+        self.counters.add("all_gather", full.numel(), full.element_size(), 0.0)
+        if full.data_ptr() != shard.data_ptr():
+            full.copy_(shard)
+        return _finish(None, self.counters, then, async_op)
+
+    def reduce_scatter(self, shard, full, average=True, async_op=False, then=None) -> Pending:
+        self.counters.add("reduce_scatter", full.numel(), full.element_size(), 0.0)
+        if full.data_ptr() != shard.data_ptr():
+            shard.copy_(full)
+        return _finish(None, self.counters, then, async_op)
+
+    def all_reduce(self, tensor, average=True, async_op=False, then=None) -> Pending:
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), 0.0)
+        return _finish(None, self.counters, then, async_op)
+
+    def all_reduce_max(self, tensor) -> None:
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), 0.0)
+
+    def all_reduce_sum(self, tensor) -> None:
+        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), 0.0)
+
+    def broadcast(self, tensor, src=0) -> None:
+        self.counters.add("broadcast", tensor.numel(), tensor.element_size(), 0.0)
+
+    def all_gather_object(self, obj) -> list:
+        return [pickle.loads(pickle.dumps(obj))]
+
+
+def make_collectives(group=None):
+    """The process group's collectives if torch.distributed is up (world > 1 or not), else the local ones."""
+    if dist.is_available() and dist.is_initialized():
+        return Collectives(group)
+    return LocalCollectives()
