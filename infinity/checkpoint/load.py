@@ -1,0 +1,130 @@
+"""``load_checkpoint``: fill this rank's shards from a checkpoint saved at any world size and stage.
+
+Resharding is arithmetic on the unpadded flat buffer of each unit: this rank
+owns elements ``[shard_rank * shard_numel, ...)`` of it now; the saved rank
+``r`` held ``[r * saved_shard_numel, ...)``. Each piece of the overlap is
+``pread`` straight into this rank's shard tensor (obtained through
+``UnitShard.get``, one unit at a time), and padding is zeroed. The unit
+layout (names, shapes, offsets, groups) must match; padding, shard sizes,
+world size and stage may differ. Stage 0 saves the full state once (rank 0);
+loading at stage 0 reads every unit whole on every rank.
+
+Every file this rank will read is checksum-verified first, and all ranks agree
+on success before the first collective, so a corrupt or missing file is one
+clear error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from infinity.checkpoint.manifest import SHARD_TENSORS, Checkpoint, unit_layout
+from infinity.checkpoint.save import engine_for
+from infinity.checkpoint.shard_reader import ShardReader
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.train_state import restore_optimizer, restore_rng, restore_scaler
+from infinity.zero.units import TensorClass, UnitState
+
+__all__ = ["load_checkpoint"]
+
+
+def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> dict:
+    """Load ``directory`` (a step directory, or a root holding ``latest`` / ``step_*``) into model and optimizer.
+
+    Every rank must call it. Returns ``{"path", "step", "saved_world_size", "saved_stage", "client_state"}``.
+    RNG states: rank r gets saved rank r's (when the saved world had a rank r).
+    """
+    engine = engine_for(model, optimizer)
+    coll, rank = engine.coll, engine.rank
+    error, rng_path = None, None
+    try:
+        ckpt = Checkpoint(directory)
+        ckpt.check_layout(unit_layout(engine.units, model), len(optimizer.param_groups))
+        reader = ShardReader(ckpt)
+        # verify everything this rank will read before any collective; CRC-32 runs at a few GB/s on one
+        # core (zlib releases the GIL), so the files are checked on io.threads threads
+        needed = {rel: r for unit in engine.units for r, rel in reader.files_for(unit.index, *_owned(engine, unit))}
+        with ThreadPoolExecutor(max_workers=engine.config.io.threads) as pool:
+            list(pool.map(lambda item: ckpt.verify(item[0], item[1], SHARD_TENSORS), needed.items()))
+        if ckpt.manifest["extras"]:
+            ckpt.verify("extras.safetensors", 0)
+        if load_rng and rank < ckpt.world_size:
+            rng_path = ckpt.verify(f"rank{rank:05d}/state.json", rank)
+    except Exception as e:  # every rank must reach the exchange below, or the others wait forever
+        error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+    errors = coll.all_gather_object(error)
+    if error is not None:
+        raise CheckpointError(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise CheckpointError(f"load_checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
+
+    try:
+        for unit in engine.units:
+            _load_unit(engine, unit, reader)
+            reader.close_unit(unit.index)
+    finally:
+        reader.close()
+    _load_extras(ckpt, model)
+    where = f"checkpoint {ckpt.dir}"
+    restore_optimizer(optimizer, ckpt.manifest["optimizer"], where)
+    restore_scaler(engine.loss_scaler, ckpt.manifest.get("loss_scaler"), where)
+    if rng_path is not None:
+        try:
+            rng = json.loads(rng_path.read_bytes())["rng"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{rng_path} (rank {rank}): not a rank state file ({e})") from None
+        restore_rng(rng, f"{rng_path} (rank {rank})")
+    engine.zero_grad()  # gradients from before the load belong to other weights
+    return {"path": str(ckpt.dir), "step": ckpt.manifest["step"], "saved_world_size": ckpt.world_size,
+            "saved_stage": ckpt.manifest["stage"], "client_state": ckpt.manifest.get("client_state")}
+
+
+def _owned(engine, unit) -> tuple:
+    """This rank's element range of the unpadded flat buffer (may be empty: a shard of pure padding)."""
+    lo = min(engine.shard_rank * unit.shard_numel, unit.numel)
+    return lo, min(lo + unit.shard_numel, unit.numel)
+
+
+def _load_unit(engine, unit, reader: ShardReader) -> None:
+    if engine.stage == 3 and unit.state is not UnitState.SHARDED:
+        engine.release(unit)  # a gathered full buffer would go stale once the shard changes
+    lo, hi = _owned(engine, unit)
+    shard = unit.shard
+    for name in SHARD_TENSORS:
+        t = shard.get(TensorClass(name))
+        staging = t if t.device.type == "cpu" else torch.empty(t.numel(), dtype=t.dtype)  # CUDA-only staging
+        with torch.no_grad():
+            reader.read(unit.index, name, lo, hi, staging[:hi - lo])
+            staging[hi - lo:].zero_()  # padding is in no param group: it must stay zero
+            if staging is not t:
+                t.copy_(staging)
+    master, param = shard.get(TensorClass.MASTER), shard.get(TensorClass.PARAM)
+    with torch.no_grad():
+        if param is not master:
+            param.copy_(master)  # the compute-dtype shard is always the master rounded (as after a step)
+        if engine.stage in (1, 2):
+            # parameters are views of the full buffer: every rank's new shard must reach every rank
+            engine.coll.all_gather(unit.full_param, param.clone())
+
+
+def _load_extras(ckpt: Checkpoint, model) -> None:
+    names = ckpt.manifest["extras"]
+    if not names:
+        return
+    sd = model.state_dict(keep_vars=True)
+    missing = [n for n in names if n not in sd]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.dir}: saved state {missing[0]!r} (a buffer or frozen parameter) "
+                              f"is not in {type(model).__name__}'s state_dict")
+    with TensorFileReader(ckpt.path("extras.safetensors", 0), "checkpoint extras (rank 0)") as f, torch.no_grad():
+        for n in names:
+            dst = sd[n]
+            src = f.read(n)
+            if tuple(src.shape) != tuple(dst.shape):
+                raise CheckpointError(f"checkpoint {ckpt.dir}: {n!r} has shape {list(src.shape)}, the model's "
+                                      f"{list(dst.shape)}")
+            dst.copy_(src)

@@ -1,0 +1,248 @@
+"""``save_checkpoint``: every rank writes its own shards, then rank 0 publishes the directory atomically.
+
+Order (each step's constraint):
+
+1. rank 0 picks a temp name ``.tmp-step_N-<uuid>`` and tells every rank (they must write into one directory);
+2. every rank writes its unit files one unit at a time (peak memory: one unit shard's states), its RNG
+   state, then its ``index.json`` of checksums, fsyncing each file and its directory (the rename in 4
+   must not become durable before the data it publishes);
+3. every rank reports success or its error to all (a rank that failed, e.g. on a full disk, makes every
+   rank raise, and rank 0 removes the temp directory; the previous checkpoint is never touched);
+4. rank 0 writes ``manifest.json`` (with each index's checksum), fsyncs, renames the temp directory to
+   ``step_N``, fsyncs the parent, replaces ``latest`` (temp + rename), then prunes beyond ``keep_last``;
+5. every rank waits for rank 0's outcome, so no rank returns before the checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SHARD_TENSORS, STEP_DIR_RE, rank_dir,
+                                          step_dir_name, unit_file, unit_layout, write_json)
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, fsync_dir
+from infinity.checkpoint.train_state import capture_optimizer, capture_rng, capture_scaler
+from infinity.zero.units import TensorClass
+
+__all__ = ["save_checkpoint", "engine_for"]
+
+# Each unit tensor is written in pieces of at most this size (bounds the CUDA -> host staging copy).
+_WRITE_CHUNK_BYTES = 64 * 2**20
+
+
+def engine_for(model, optimizer):
+    """The ZeRO engine behind ``model`` / ``optimizer`` (both from one ``infinity.initialize``)."""
+    from infinity.initialization import engine_of
+    engine = engine_of(model)
+    if getattr(optimizer, "source", None) is not engine:
+        raise CheckpointError("the optimizer was not returned by the same infinity.initialize as the model")
+    return engine
+
+
+def save_checkpoint(directory, model, optimizer, *, step: int | None = None, keep_last: int | None = None,
+                    client_state: dict | None = None) -> Path:
+    """Save a sharded checkpoint to ``directory/step_{step:08d}``; returns that path (on every rank).
+
+    ``step`` defaults to the number of ``optimizer.step()`` calls (applied +
+    skipped). ``keep_last``: keep this many complete checkpoints in
+    ``directory`` (the new one included), None keeps all. ``client_state``:
+    rank 0's JSON-serializable dict of the caller's own state (an LR
+    scheduler's ``state_dict()``, the data position), returned by
+    :func:`load_checkpoint`. Every rank must call it.
+    """
+    engine = engine_for(model, optimizer)
+    coll, rank = engine.coll, engine.rank
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got {keep_last}")
+    if step is None:
+        step = max(optimizer.group_steps) + optimizer.skipped_steps
+    if client_state is not None:
+        try:
+            json.dumps(client_state)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"save_checkpoint: client_state must be JSON-serializable (no code is ever loaded "
+                            f"from a checkpoint): {e}") from None
+    root = Path(directory)
+    final = root / step_dir_name(step)
+
+    # 1. one temp name for all ranks; rank 0 also refuses to overwrite a published checkpoint
+    setup = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            setup = ("error", f"save_checkpoint: {final} already exists; pass another step or remove it") \
+                if final.exists() else ("ok", f".tmp-{final.name}-{uuid.uuid4().hex[:12]}")
+        except OSError as e:
+            setup = ("error", f"save_checkpoint: cannot create {root}: {e.strerror or e}")
+    kind, value = coll.all_gather_object(setup)[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    tmp = root / value
+
+    # 2. this rank's files
+    error, index_entry = None, None
+    try:
+        index_entry = _write_rank_files(tmp, engine, model, rank)
+    except Exception as e:  # any failure must reach the exchange below, or the other ranks wait forever
+        error = _describe(e, f"writing under {tmp}")
+
+    # 3. all ranks learn every rank's outcome before anything is published
+    outcomes = coll.all_gather_object((error, index_entry))
+    failed = [(r, err) for r, (err, _) in enumerate(outcomes) if err is not None]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        r, err = failed[0]
+        raise CheckpointError(f"save_checkpoint: rank {r} failed ({err}); nothing was published, the previous "
+                              f"checkpoint in {root} is intact")
+
+    # 4. publish
+    result, published = None, False
+    if rank == 0:
+        try:
+            manifest = _manifest(engine, model, optimizer, step, [entry for _, entry in outcomes])
+            manifest["client_state"] = client_state
+            write_json(tmp / "manifest.json", manifest)
+            fsync_dir(tmp)
+            os.rename(tmp, final)
+            published = True
+            fsync_dir(root)  # the rename itself must be durable before `latest` names it
+            _write_latest(root, final.name)
+            _prune(root, final, keep_last)
+        except Exception as e:  # reported to every rank below
+            if not published:
+                shutil.rmtree(tmp, ignore_errors=True)
+            result = (published, _describe(e, f"publishing {final}"))
+    # 5. nobody returns before rank 0 has published (or failed)
+    result = coll.all_gather_object(result)[0]
+    if result is not None:
+        published, err = result
+        if published:
+            raise CheckpointError(f"save_checkpoint: {final} is complete, but rank 0 then failed ({err}); "
+                                  f"{root / 'latest'} may still name the previous checkpoint")
+        raise CheckpointError(f"save_checkpoint: rank 0 failed ({err}); nothing was published, the previous "
+                              f"checkpoint in {root} is intact")
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    """``latest`` names the newest checkpoint; replaced by rename, so a reader never sees it half-written."""
+    tmp = root / f".latest-{uuid.uuid4().hex[:12]}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, root / "latest")
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(root)
+
+
+def _describe(e: Exception, doing: str) -> str:
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{doing}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    return f"{doing}: {type(e).__name__}: {e}"
+
+
+def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
+    mine = tmp / rank_dir(rank)
+    mine.mkdir(parents=True, exist_ok=True)
+    files = {}
+    # stage 0 keeps the whole state on every rank: rank 0 alone writes it (shard_world is 1)
+    if engine.shard_rank == rank:
+        for unit in engine.units:
+            rel = unit_file(rank, unit.index)
+            files[rel] = _write_unit(tmp / rel, unit, rank)
+    rel = f"{rank_dir(rank)}/state.json"
+    files[rel] = write_json(tmp / rel, {"rank": rank, "rng": capture_rng()})
+    if rank == 0:
+        files["extras.safetensors"] = _write_extras(tmp / "extras.safetensors", engine, model)
+        hf = getattr(model, "config", None)
+        if hf is not None and hasattr(hf, "to_json_string"):  # a transformers model: from_pretrained needs it
+            files["hf_config.json"] = write_json(tmp / "hf_config.json", json.loads(hf.to_json_string()))
+    fsync_dir(mine)
+    rel = f"{rank_dir(rank)}/index.json"
+    # written last: a rank's index exists only if every file it lists was written and fsynced
+    entry = write_json(tmp / rel, {"rank": rank, "files": files})
+    fsync_dir(mine)
+    return dict(entry, index=rel)
+
+
+def _write_unit(path: Path, unit, rank: int) -> dict:
+    """One unit shard's fp32 states, read through UnitShard.get one class at a time."""
+    specs = [(name, torch.float32, (unit.shard_numel,)) for name in SHARD_TENSORS]
+    writer = TensorFileWriter(path, specs, {"unit": unit.name, "rank": rank})
+    try:
+        for name in SHARD_TENSORS:
+            t = unit.shard.get(TensorClass(name))
+            chunk = _WRITE_CHUNK_BYTES // t.element_size()
+            for lo in range(0, t.numel(), chunk):
+                writer.write(t[lo:lo + chunk])
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def extra_state_names(engine, model) -> list:
+    """state_dict entries that are not trainable parameters in the units: buffers and frozen parameters."""
+    in_units = {id(p) for u in engine.units for p in u.params}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [k for k in model.state_dict(keep_vars=True) if k not in named or id(named[k]) not in in_units]
+
+
+def _write_extras(path: Path, engine, model) -> dict:
+    sd = model.state_dict(keep_vars=True)   # references only: trainable stage-3 params may have no storage
+    names = extra_state_names(engine, model)
+    tensors = [(n, sd[n].detach()) for n in names]
+    writer = TensorFileWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], {"what": "extras"})
+    try:
+        for _, t in tensors:
+            writer.write(t.reshape(-1))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _manifest(engine, model, optimizer, step: int, rank_entries: list) -> dict:
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
+        "world_size": engine.world_size, "stage": engine.stage, "shard_world": engine.shard_world,
+        "param_dtype": engine.config.precision.param_dtype,
+        "config": engine.config.to_dict(),
+        "model_class": type(model).__name__,
+        "units": unit_layout(engine.units, model),
+        "shard_tensors": list(SHARD_TENSORS), "shard_tensor_dtype": "F32",
+        "state_dict_keys": list(model.state_dict(keep_vars=True)),
+        "extras": extra_state_names(engine, model),
+        "optimizer": capture_optimizer(optimizer),
+        "loss_scaler": capture_scaler(engine.loss_scaler),
+        "ranks": rank_entries,
+    }
+
+
+def _prune(root: Path, final: Path, keep_last: int | None) -> None:
+    """Drop complete checkpoints beyond ``keep_last`` and temp directories of saves that died."""
+    for d in root.iterdir():
+        # a killed save leaves its temp directory behind; it was never published, so nothing refers to it
+        if d.name.startswith(".tmp-") and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    if keep_last is None:
+        return
+    steps = sorted((int(m.group(1)), d) for d in root.iterdir()
+                   if (m := STEP_DIR_RE.match(d.name)) and (d / "manifest.json").is_file() and d != final)
+    for _, d in steps[:max(0, len(steps) - (keep_last - 1))]:
+        # rename first: a half-deleted directory must never look like a complete checkpoint
+        doomed = root / f".tmp-delete-{d.name}-{uuid.uuid4().hex[:12]}"
+        os.rename(d, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,51 @@
+"""Reading element ranges of a unit's saved tensors, whichever saved ranks' files hold them.
+
+Saved rank ``r`` held elements ``[r * shard_numel, (r + 1) * shard_numel)``
+of each unit's flat buffer; :meth:`Checkpoint.unit_sources` cuts a range into
+per-file pieces and :class:`ShardReader` ``pread``s each piece into place,
+verifying each file (its header and the tensors this reader reads) on first use.
+Used by ``load_checkpoint`` (this rank's new shard) and ``consolidate`` (one
+parameter at a time).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.checkpoint.manifest import SHARD_TENSORS, Checkpoint
+from infinity.checkpoint.tensor_file import TensorFileReader
+
+__all__ = ["ShardReader"]
+
+
+class ShardReader:
+    """Reads element ranges of a unit's saved tensors from whichever rank files hold them."""
+
+    def __init__(self, ckpt: Checkpoint, tensors=SHARD_TENSORS):
+        self.ckpt = ckpt
+        self.tensors = tuple(tensors)   # the saved tensors this reader will read (only those are verified)
+        self._open: dict = {}
+
+    def files_for(self, unit_index: int, lo: int, hi: int) -> list:
+        return [(r, rel) for r, rel, *_ in self.ckpt.unit_sources(unit_index, lo, hi)]
+
+    def read(self, unit_index: int, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Unpadded elements [lo, hi) of saved tensor ``name`` of unit ``unit_index`` into fp32 CPU ``out``."""
+        for r, rel, a, b, at in self.ckpt.unit_sources(unit_index, lo, hi):
+            self._reader(rel, r).read_into(name, a, b, out[at:at + b - a])
+
+    def _reader(self, rel: str, rank: int) -> TensorFileReader:
+        if rel not in self._open:
+            path = self.ckpt.verify(rel, rank, self.tensors)
+            self._open[rel] = TensorFileReader(path, f"checkpoint file written by rank {rank}")
+        return self._open[rel]
+
+    def close_unit(self, unit_index: int) -> None:
+        """Units are read one after another; their files need not stay open."""
+        for rel in [k for k in self._open if k.endswith(f"/unit{unit_index:04d}.safetensors")]:
+            self._open.pop(rel).close()
+
+    def close(self) -> None:
+        for r in self._open.values():
+            r.close()
+        self._open.clear()
