@@ -9,9 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from infinity.config import Config, ConfigError
+from infinity.config import Config
+from infinity.optim.cpu_adam import default_adam_threads
+from infinity.optim.offload_adamw import OffloadAdamW
 from infinity.optim.sharded_adamw import ShardedAdamW
 from infinity.zero.engine import ZeroEngine
+from infinity.zero.materialize import is_meta_model
+from infinity.zero.offload_engine import OffloadEngine
+from infinity.zero.placement import Placement
 
 __all__ = ["initialize", "engine_of"]
 
@@ -19,7 +24,7 @@ _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
 
 
-def initialize(model: nn.Module, config=None, params=None):
+def initialize(model: nn.Module, config=None, params=None, init_fn=None):
     """Shard ``model``'s training state as ``config`` says; returns ``(model, optimizer)``.
 
     ``model`` is changed in place: its trainable parameters become views into
@@ -32,6 +37,14 @@ def initialize(model: nn.Module, config=None, params=None):
     engine's shards (``param.grad`` stays None): use
     ``optimizer.clip_grad_norm_(max_norm)`` for clipping.
 
+    ``offload.*`` on host / NVMe puts those shards in the tiered store and runs the
+    optimizer step as the pipelined CPU Adam. A model built under
+    ``with torch.device("meta"):`` is materialized one unit at a time straight
+    into its shards' home tiers, by each module's ``reset_parameters()`` or by
+    ``init_fn(module)`` (called on each unit module whole and on each other
+    module holding parameters, in model order; see
+    :mod:`infinity.zero.materialize`).
+
     World size 1 needs no ``torch.distributed``; under ``torchrun`` (``WORLD_SIZE``
     etc. set) the default process group is created if it is not up yet
     (NCCL on CUDA, gloo on CPU).
@@ -42,14 +55,23 @@ def initialize(model: nn.Module, config=None, params=None):
         raise RuntimeError(f"initialize: this {type(model).__name__} was already initialized; its parameters are "
                            "views into the first engine's buffers. Build a fresh model to initialize again")
     cfg = Config.load(config)
-    _check_supported(cfg)
     device = _init_distributed()
-    if device.type == "cuda":
-        model.to(device)
+    on_meta = is_meta_model(model)
+    if device.type == "cuda" and not on_meta:
+        model.to(device)  # a meta model's units are materialized on the device one at a time instead
     groups = _param_groups(model, params)
-    engine = ZeroEngine(model, cfg, groups, device=device)
     o = cfg.optimizer
-    optimizer = ShardedAdamW(groups, engine, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    hyper = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if Placement.from_config(cfg).any_offload or on_meta:
+        engine = OffloadEngine(model, cfg, groups, device=device, init_fn=init_fn)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = o.threads if o.threads != "auto" else default_adam_threads(local_ranks)
+        optimizer = OffloadAdamW(groups, engine, threads=threads, **hyper)
+    else:
+        if init_fn is not None:
+            raise ValueError("initialize: init_fn is only used for a model built on the meta device")
+        engine = ZeroEngine(model, cfg, groups, device=device)
+        optimizer = ShardedAdamW(groups, engine, **hyper)
     _ENGINES[model] = engine
     return model, optimizer
 
@@ -60,14 +82,6 @@ def engine_of(model: nn.Module) -> ZeroEngine:
         return _ENGINES[model]
     except KeyError:
         raise KeyError(f"{type(model).__name__} was not passed through infinity.initialize") from None
-
-
-def _check_supported(cfg: Config) -> None:
-    off = cfg.offload
-    placed = [k for k in ("optimizer", "params", "grads") if getattr(off, k) != "none"]
-    if placed:
-        raise ConfigError(f"offload.{placed[0]}: '{getattr(off, placed[0])}' is not available in this version "
-                          "(the ZeRO engine keeps every shard in device memory); set it to 'none'")
 
 
 def _init_distributed() -> torch.device:

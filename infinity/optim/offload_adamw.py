@@ -1,0 +1,55 @@
+"""AdamW whose step runs the pipelined CPU Adam over offloaded shards.
+
+Same user-facing optimizer as :class:`ShardedAdamW` (real ``param_groups``,
+per-group step counts, ``clip_grad_norm_``), but ``step`` asks its source for
+one :class:`~infinity.optim.offload_pipeline.ShardJob` per shard and runs them
+through :class:`~infinity.optim.offload_pipeline.AdamPipeline`: swap-in of the
+next shard, the update of this one and the write-back of the last overlap.
+The update is :class:`CpuAdamW` (torch's fused AdamW kernel, chunked across
+``optimizer.threads`` threads) with the low-precision parameter written in the
+same pass.
+
+The source (the offload engine) provides ``store``, ``tracer``,
+``shard_jobs()`` and ``record_optimizer_stats(stats)`` besides the
+:class:`ShardSource` protocol; this module knows nothing of ZeRO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.optim.cpu_adam import CpuAdamW
+from infinity.optim.offload_pipeline import AdamPipeline
+from infinity.optim.sharded_adamw import ShardedAdamW
+
+__all__ = ["OffloadAdamW"]
+
+
+class OffloadAdamW(ShardedAdamW):
+    """``threads``: CPU Adam worker threads; ``lookahead``: shards swapped in ahead of the one updated."""
+
+    def __init__(self, params, source, threads: int, lookahead: int = 2, **hyper):
+        super().__init__(params, source, **hyper)
+        self.adam = CpuAdamW(threads=threads)
+        self.pipeline = AdamPipeline(source.store, self.adam, lookahead=lookahead, tracer=source.tracer)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self.source.prepare_step():
+            self.skipped_steps += 1
+            return loss
+        for i in range(len(self.param_groups)):
+            self.group_steps[i] += 1
+
+        def hyper(gi: int) -> dict:
+            g = self.param_groups[gi]
+            return dict(step=self.group_steps[gi], lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                        weight_decay=g["weight_decay"])
+
+        self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), hyper))
+        self.source.finish_step()
+        return loss

@@ -1,0 +1,243 @@
+"""The offloaded optimizer step: swap in -> CPU Adam -> swap out, overlapped across shards.
+
+The step walks the shard jobs in order. While :class:`CpuAdamW` updates shard
+``i`` on the compute thread, a swap-in thread is already bringing shard
+``i+1``'s master / moments / gradient / parameter to host memory, and shard
+``i-1``'s updated states and new low-precision parameter are being written home
+by the store's I/O threads — all three at once. Nothing on that path writes
+synchronously: a write-back is a future, waited on only at the end of the step
+(so the step returns with every state home) or by the store when it needs the
+buffer's room.
+
+Host memory is bounded twice: ``lookahead`` shards are swapped in ahead of the
+one being updated, and the store's host budget caps every buffer (a swap-in
+waits for room that an earlier write-back frees). Trade-off of ``lookahead``:
+each step of it holds one more shard's states (16 B/element) in host memory and
+hides one more shard's read latency behind compute.
+
+Talks to the store only through its public methods (bring / mark_dirty / unpin
+/ write_back / wait); knows nothing of ZeRO.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from infinity.optim.cpu_adam import CpuAdamW
+from infinity.optim.sharded_adamw import adamw_
+from infinity.store import BudgetError, StoreError, TensorStore, Tier
+from infinity.trace import NULL_TRACER, Tracer
+
+__all__ = ["ShardJob", "AdamPipeline"]
+
+_FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad", "param_out")
+_WRITTEN = ("master", "exp_avg", "exp_avg_sq", "param_out")   # the fields Adam changes
+
+
+@dataclass
+class ShardJob:
+    """One shard's optimizer step. Each field is a store key (str) or an in-memory tensor.
+
+    ``param_out`` is the compute-precision parameter written in the same pass
+    (None: the fp32 master *is* the parameter). ``ranges`` are
+    ``(group_index, lo, hi)`` element ranges with their own hyper-parameters.
+    ``on_done(param)`` runs on the compute thread right after the update with the
+    updated parameter (e.g. to launch its all-gather) — before any write-back of
+    it completes, which is fine: the in-memory copy is already final.
+    """
+
+    name: str
+    master: str | torch.Tensor
+    exp_avg: str | torch.Tensor
+    exp_avg_sq: str | torch.Tensor
+    grad: str | torch.Tensor
+    param_out: str | torch.Tensor | None
+    ranges: list
+    on_done: Callable | None = None
+    _keys: list = field(default_factory=list, repr=False)
+
+
+class AdamPipeline:
+    """Runs :meth:`run` once per optimizer step over a list of :class:`ShardJob`."""
+
+    def __init__(self, store: TensorStore, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER):
+        if lookahead < 1:
+            raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
+        self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
+        self.last_stats: dict = {}
+
+    def run(self, jobs: list, hyper: Callable[[int], dict]) -> dict:
+        """Update every job; ``hyper(group_index)`` gives ``step, lr, betas, eps, weight_decay``.
+
+        Returns ``{"adam_s", "swap_in_wait_s", "swap_out_wait_s", "shards"}``.
+        """
+        ready: queue.Queue = queue.Queue()
+        self._progress = threading.Condition()
+        self._issued = self._released = 0
+        self._held: dict = {}   # key -> future of its pinned bring, until the compute thread unpins it
+        finished = False
+        # the swap-in thread may run ahead by `lookahead` shards; each slot is released when the
+        # compute thread is done with a shard (its host copies unpinned, hence evictable once clean)
+        slots = threading.Semaphore(self.lookahead + 1)
+        stop = threading.Event()
+        swap_in = threading.Thread(target=self._swap_in, args=(jobs, ready, slots, stop),
+                                   name="infinity-swap-in", daemon=True)
+        adam_s = wait_s = 0.0
+        writes: list = []
+        swap_in.start()
+        try:
+            for job in jobs:
+                t0 = time.perf_counter()
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                tensors = {name: self.store.wait(f) if f is not None else getattr(job, name)
+                           for name, f in item.items()}
+                t1 = time.perf_counter()
+                wait_s += t1 - t0
+                self.tracer.add(f"wait swap-in {job.name}", t0, t1, lane="compute")
+                with self.tracer.span(f"adam {job.name}", lane="compute"):
+                    out = self._update(job, tensors, hyper)
+                t2 = time.perf_counter()
+                adam_s += t2 - t1
+                if job.on_done is not None:
+                    job.on_done(out)
+                writes.extend(self._swap_out(job, item))
+                with self._progress:
+                    self._released += 1
+                    self._progress.notify_all()
+                slots.release()
+            t3 = time.perf_counter()
+            for f in writes:
+                self.store.wait(f)   # the step ends with every state home (a crash after it loses nothing)
+            swap_out_wait_s = time.perf_counter() - t3
+            finished = True
+        finally:
+            stop.set()
+            slots.release()   # unblock the swap-in thread if it waits for a slot after an error
+            with self._progress:
+                self._released = len(jobs) + 1   # and if it waits for room
+                self._progress.notify_all()
+            swap_in.join()
+            if not finished:
+                self._unpin_held()
+        self.last_stats = {"adam_s": adam_s, "swap_in_wait_s": wait_s, "swap_out_wait_s": swap_out_wait_s,
+                           "shards": len(jobs)}
+        return self.last_stats
+
+    # ------------------------------------------------------------ the three stages
+
+    def _swap_in(self, jobs, ready: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
+        """Swap-in thread: bring each job's stored fields to host, pinned, in order."""
+        try:
+            for job in jobs:
+                slots.acquire()
+                if stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                futures, seen = {}, {}
+                for name in _FIELDS:
+                    value = getattr(job, name)
+                    if isinstance(value, str):
+                        # the same key twice (aliases) is brought and pinned once
+                        if value not in seen:
+                            seen[value] = self._bring_pinned(value)
+                            with self._progress:
+                                self._held[value] = seen[value]
+                        futures[name] = seen[value]
+                    else:
+                        futures[name] = None
+                job._keys = list(seen)
+                with self._progress:
+                    self._issued += 1
+                self.tracer.add(f"issue swap-in {job.name}", t0, time.perf_counter(), lane="swap-in")
+                ready.put(futures)
+        except BaseException as e:   # noqa: BLE001 - handed to the compute thread, which raises it
+            ready.put(e)
+
+    def _unpin_held(self) -> None:
+        """After an error: drop the pins this run still holds, so the keys stay evictable and usable."""
+        with self._progress:
+            held, self._held = self._held, {}
+        for key, fut in held.items():
+            try:
+                fut.result()   # the pin is taken when the bring completes; a failed bring took none
+            except BaseException:   # noqa: BLE001 - the original error is what the caller sees
+                continue
+            try:
+                self.store.unpin(key, Tier.HOST)
+            except StoreError:
+                pass
+
+    def _bring_pinned(self, key: str):
+        """Bring ``key`` to host, pinned. The store refuses (BudgetError) when the room is held by
+        pinned copies, which for us are shards the compute thread has not finished: wait for the
+        next one to finish and retry. If it holds none, the host budget is below one shard's
+        working set and waiting would never end, so the error stands."""
+        while True:
+            with self._progress:
+                released = self._released
+            try:
+                return self.store.bring(key, Tier.HOST, pin=True)
+            except BudgetError:
+                with self._progress:
+                    if self._issued == self._released:
+                        raise
+                    while self._released == released:
+                        self._progress.wait()
+
+    def _update(self, job: ShardJob, t: dict, hyper) -> torch.Tensor:
+        """Update one shard; returns the parameter as it lives in its final place.
+
+        Host-resident masters go through CpuAdamW. A master kept in device memory (optimizer
+        not offloaded, CUDA) is updated where it lives with the same math; a tensor on the
+        other side of the master (a device gradient, a device parameter) is copied across.
+        """
+        master = t["master"]
+        dev = master.device
+        grad = t["grad"] if t["grad"].device == dev else t["grad"].to(dev)
+        final = t["param_out"]
+        out = final if final is None or final.device == dev else torch.empty(final.shape, dtype=final.dtype,
+                                                                            device=dev)
+        for group, lo, hi in job.ranges:
+            h = hyper(group)
+            o = out[lo:hi] if out is not None else None
+            if dev.type == "cpu":
+                self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
+                                step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
+                                weight_decay=h["weight_decay"], out=o)
+            else:   # CUDA-only: states in device memory
+                adamw_(master[lo:hi], grad[lo:hi].float(), t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
+                       step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                       weight_decay=h["weight_decay"])
+                if o is not None:
+                    o.copy_(master[lo:hi])
+        if final is not None and out is not final:
+            final.copy_(out)   # across host <-> device; blocking, so `out` may be freed right after
+        return final if final is not None else master
+
+    def _swap_out(self, job: ShardJob, item: dict) -> list:
+        """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""
+        written = {getattr(job, name) for name in _WRITTEN if isinstance(getattr(job, name), str)}
+        futures = []
+        for key in job._keys:
+            if key in written:
+                # dirty is marked before unpinning so no eviction can drop the new bytes unsaved
+                self.store.mark_dirty(key, Tier.HOST)
+            self.store.unpin(key, Tier.HOST)
+            with self._progress:
+                self._held.pop(key, None)
+            if key in written and self.store.home(key) is not Tier.HOST:
+                t0 = time.perf_counter()
+                f = self.store.write_back(key)
+                if self.tracer.recording:
+                    f.add_done_callback(lambda _f, k=key, t0=t0: self.tracer.add(
+                        f"write {k}", t0, time.perf_counter(), lane="swap-out"))
+                futures.append(f)
+        return futures

@@ -1,0 +1,103 @@
+"""Materializing a model built on the meta device, one unit at a time (DESIGN §3, "nothing is ever whole").
+
+A model built under ``with torch.device("meta"):`` has shapes but no storage.
+The engine gives each unit's parameters real storage as views into that unit's
+fp32 flat buffer, runs the initializers that write them, and moves the unit
+into its shards' home tiers before the next unit gets memory — so only one
+unit (plus the root unit, whose parameters interleave with the others in
+module order) is ever materialized at once.
+
+Initializers run in ``model.modules()`` order, each parameter once: a unit
+module is passed to ``init_fn`` whole (``gpt_init_`` needs a whole Block to
+know the residual projections), any other module holding parameters of its own
+is passed alone. Without ``init_fn`` each module's ``reset_parameters()`` runs.
+That is the order ``infinity.models.GPT(cfg)`` draws its random numbers in, so
+``torch.manual_seed(s)`` before initialize gives the same weights as
+``torch.manual_seed(s); GPT(cfg)``, at any world size (every rank draws every
+unit, and rank 0's values are broadcast anyway).
+
+Parameters keep their identity (``torch.utils.swap_tensors``), so ties and
+the references in param groups stay valid.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+__all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta"]
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+class InitStep:
+    """One initializer call: ``module`` (whole if ``whole``) and the ids of the parameters it writes."""
+
+    def __init__(self, module: nn.Module, whole: bool, param_ids: list):
+        self.module, self.whole, self.param_ids = module, whole, param_ids
+
+
+def init_plan(model: nn.Module, unit_modules: list) -> list:
+    """The initializer calls in ``model.modules()`` order, each parameter in exactly one call."""
+    units = {id(m) for m in unit_modules}
+    steps, done, skip_under = [], set(), []
+    for name, mod in model.named_modules():
+        if any(name.startswith(prefix) for prefix in skip_under):
+            continue
+        whole = id(mod) in units
+        params = list(mod.parameters()) if whole else list(mod.parameters(recurse=False))
+        if whole:
+            skip_under.append(name + ".")
+        fresh = [p for p in params if id(p) not in done]
+        if not fresh:
+            continue   # e.g. a tied head whose weight the embedding already initialized
+        if len(fresh) != len(params) and not whole:
+            stale = next(n for n, p in mod.named_parameters(recurse=False) if id(p) in done)
+            raise ValueError(f"initialize (meta model): module {name!r} ({type(mod).__name__}) holds parameter "
+                             f"{stale!r} that an earlier module already initialized, beside new ones; its "
+                             "initializer would overwrite it. Tie whole modules, or materialize the model first")
+        done.update(id(p) for p in fresh)
+        steps.append(InitStep(mod, whole, [id(p) for p in fresh]))
+    return steps
+
+
+def give_storage(param: nn.Parameter, storage: torch.Tensor) -> None:
+    """Make a meta parameter a real one whose data is ``storage`` (same shape), keeping its identity."""
+    if not param.is_meta:
+        raise ValueError(f"give_storage: parameter of shape {tuple(param.shape)} is not on the meta device")
+    real = nn.Parameter(torch.empty(0, dtype=storage.dtype, device=storage.device), requires_grad=param.requires_grad)
+    # ``.data =`` keeps the parameter's own version counter: one shared with ``storage`` (as a view
+    # would) would be bumped by the all-gathers writing the unit's buffer, and backward would then
+    # see its saved parameters as modified in place
+    real.data = storage.view(param.shape)
+    torch.utils.swap_tensors(param, real)
+
+
+def run_init(step: InitStep, init_fn: Callable | None) -> None:
+    mods = [step.module] if init_fn is not None else \
+        [m for m in (step.module.modules() if step.whole else [step.module])
+         if any(True for _ in m.parameters(recurse=False))]
+    with torch.no_grad():
+        for m in mods:
+            if init_fn is not None:
+                init_fn(m)
+            elif hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+            else:
+                raise ValueError(
+                    f"initialize (meta model): {type(m).__name__} holds parameters but has no reset_parameters(); "
+                    "pass init_fn=... to initialize (called on each unit module and each other module with "
+                    "parameters, in model order)")
+
+
+def check_no_meta(model: nn.Module) -> None:
+    """Buffers cannot be recomputed from a meta model; they must be real before initialize."""
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            raise ValueError(f"initialize (meta model): buffer {name!r} is on the meta device; initialize "
+                             "materializes parameters only. Build buffers on a real device (e.g. register them "
+                             "outside the meta context) or call model.to_empty() and fill them first")

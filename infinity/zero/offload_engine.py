@@ -1,0 +1,382 @@
+"""ZeRO-Infinity: the ZeRO engine with unit shards in the tiered store (DESIGN §3).
+
+:class:`OffloadEngine` is the :class:`~infinity.zero.engine.ZeroEngine` with
+each unit shard a :class:`~infinity.zero.store_shard.StoreUnitShard`: the
+classes ``offload.*`` places on host or NVMe are store keys in this rank's
+:class:`~infinity.store.TensorStore`, the rest stay in memory as before.
+What changes, and where:
+
+- materialization: unit by unit, straight into the shards' home tiers, also
+  from a model built on the meta device (:mod:`infinity.zero.materialize`);
+- stage-3 gather: the parameter shard is brought to the device tier and pinned
+  while the all-gather reads it; a :class:`TracePrefetcher` keeps the next
+  units' shards coming (NVMe -> host -> device) within ``prefetch.bytes``, and
+  the next unit's all-gather starts early while gathered bytes stay within
+  ``prefetch.max_live_bytes``. Every rank keeps or re-records the trace
+  together (one tiny all-reduce per step);
+- stage-2/3 gradients: each reduce-scattered shard is added into its stored
+  copy and written home as it is produced;
+- the optimizer step: :meth:`shard_jobs` hands the pipelined CPU Adam
+  (:mod:`infinity.optim.offload_pipeline`) one job per unit shard;
+- per-step stats gain bytes per tier pair, I/O wait, Adam time; a chosen step
+  can be traced (:attr:`tracer`, Chrome/Perfetto JSON).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.config import ConfigError
+from infinity.optim.offload_pipeline import ShardJob
+from infinity.schedule.prefetch import TracePrefetcher
+from infinity.store import BudgetError, TensorStore, Tier
+from infinity.trace import Tracer
+from infinity.zero import materialize as meta
+from infinity.zero.engine import _MAX_INFLIGHT, ZeroEngine, _Bucket
+from infinity.zero.placement import Placement
+from infinity.zero.store_shard import LentCopies, StoreUnitShard
+from infinity.zero.units import TensorClass, UnitState
+
+__all__ = ["OffloadEngine"]
+
+class OffloadEngine(ZeroEngine):
+    """A ZeroEngine whose unit shards live where ``config.offload`` puts them."""
+
+    def __init__(self, model, config, param_groups, collectives=None, device=None, init_fn=None):
+        self.placement = Placement.from_config(config)
+        self.init_fn = init_fn
+        self.tracer = Tracer()
+        self.store: TensorStore | None = None
+        self._gather_pins: dict = {}        # unit index -> param key pinned on the device while gathering
+        self._gather_t0: dict = {}
+        self._store_mark = None
+        self.last_optimizer_stats: dict = {}
+        if device is None and meta.is_meta_model(model):
+            device = torch.device("cpu")
+        if config.precision.param_dtype == "fp16" and self.placement.grads is not None:
+            raise ConfigError("offload.grads: fp16 training unscales gradients in place, which stored gradient "
+                              "shards do not support in this version; use bf16, or offload.grads: none")
+        try:
+            super().__init__(model, config, param_groups, collectives=collectives, device=device)
+        except BaseException:
+            if self.store is not None:
+                self.store.close()   # removes the swap file a half-built engine would leave behind
+            raise
+        self.tracer.rank = self.rank
+        unit_bytes = {u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units}
+        self.prefetcher = TracePrefetcher(unit_bytes, config.prefetch.bytes)
+        self.max_live_bytes = config.prefetch.max_live_bytes
+        self._store_mark = self._store_counters()
+        self.tracer.begin_step()
+
+    # ------------------------------------------------------------ materialization
+
+    def _materialize(self) -> None:
+        cfg = self.config
+        self.store = TensorStore(cfg.tiers, cfg.io, device=self.device, rank=self.rank)
+        self.lent = LentCopies(self.store)
+        self._fp32 = self.param_dtype == torch.float32
+        if meta.is_meta_model(self.model):
+            self._materialize_meta()
+        else:
+            for unit in self.units:
+                flat32 = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+                with torch.no_grad():
+                    for slot, p in zip(unit.slots, unit.params):
+                        flat32[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+                self._place_unit(unit, flat32)
+        self._build_grads()
+
+    def _materialize_meta(self) -> None:
+        """Walk the initializers in model order; each unit is placed as soon as its last parameter is written."""
+        meta.check_no_meta(self.model)
+        steps = meta.init_plan(self.model, [u.module for u in self.units if not u.is_root])
+        where = {id(p): (u, s) for u in self.units for s, p in zip(u.slots, u.params)}
+        left = {u.index: len(u.params) for u in self.units}
+        flats: dict = {}
+        by_id = {id(p): p for p in self.model.parameters()}
+        for step in steps:
+            for pid in step.param_ids:
+                p = by_id[pid]
+                if pid not in where:   # frozen: not sharded, just made real
+                    meta.give_storage(p, torch.empty(p.shape, dtype=p.dtype, device=self.device))
+                    continue
+                unit, slot = where[pid]
+                if unit.index not in flats:
+                    flats[unit.index] = torch.zeros(unit.padded_numel, dtype=torch.float32, device=self.device)
+                meta.give_storage(p, flats[unit.index][slot.offset:slot.offset + slot.numel])
+            meta.run_init(step, self.init_fn)
+            for pid in step.param_ids:
+                if pid in where:
+                    unit = where[pid][0]
+                    left[unit.index] -= 1
+                    if left[unit.index] == 0:
+                        self._place_unit(unit, flats.pop(unit.index))
+
+    def _place_unit(self, unit, flat32: torch.Tensor) -> None:
+        """Broadcast rank 0's values, make parameters views of the full buffer, store this rank's shard."""
+        self.coll.broadcast(flat32, src=0)  # every rank starts from rank 0's weights, as DDP does
+        full = flat32 if self._fp32 else flat32.to(self.param_dtype)
+        for slot, p in zip(unit.slots, unit.params):
+            p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
+        shard = StoreUnitShard(self.store, unit.index, self.placement, self.lent)
+        param_shard = full[lo:hi]
+        if self.stage == 3:
+            param_shard = param_shard.clone()
+        shard.put(TensorClass.PARAM, param_shard)
+        if self.placement.master_is_param(self._fp32):
+            shard.alias(TensorClass.MASTER, TensorClass.PARAM)
+        else:
+            master = flat32[lo:hi]
+            # an in-memory master must own its bytes; a stored one is copied by the store anyway
+            shard.put(TensorClass.MASTER, master if self.placement.optimizer is not None else master.clone())
+        shard.put_zeros(TensorClass.EXP_AVG, unit.shard_numel, torch.float32, self.device)
+        shard.put_zeros(TensorClass.EXP_AVG_SQ, unit.shard_numel, torch.float32, self.device)
+        unit.shard, unit.full_param = shard, full
+        if self.stage == 3:
+            self.release(unit)
+
+    def _build_grads(self) -> None:
+        self._grad_arena, self._buckets = None, []
+        self._grad_is_zero = [False] * len(self.units)   # stored grad shards awaiting replacement
+        self._grad_writes: list = []                     # their writes, waited on before the step reads them
+        if self.stage >= 2:
+            for unit in self.units:
+                unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
+            return
+        # stages 0-1: one arena, units in reverse order, buckets for stage 0 (as ZeroEngine lays it out)
+        total = sum(u.padded_numel for u in self.units)
+        self._grad_arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
+        offset, run, run_lo = 0, [], 0
+        itemsize = self._grad_arena.element_size()
+        for unit in reversed(self.units):
+            unit.full_grad = self._grad_arena[offset:offset + unit.padded_numel]
+            lo = self.shard_rank * unit.shard_numel
+            unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
+            offset += unit.padded_numel
+            run.append(unit)
+            if (offset - run_lo) * itemsize >= self.config.zero.bucket_bytes:
+                self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
+                run, run_lo = [], offset
+        if run:
+            self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
+        self._bucket_of = {u.index: b for b in self._buckets for u in b.units}
+
+    # ------------------------------------------------------------ stage 3: gather from the store
+
+    def gather(self, unit, wait: bool = True) -> None:
+        key = unit.shard.key(TensorClass.PARAM) if unit.shard is not None else None
+        if key is None:
+            return super().gather(unit, wait)
+        if unit.state is UnitState.SHARDED:
+            self.lent.settle()   # a checkpoint load may have written the shard through get()
+            # pinned: the all-gather reads this copy asynchronously; an eviction meanwhile would
+            # hand its budget to another key while the collective still reads it
+            src = self.store.wait(self.store.bring(key, Tier.DEVICE, pin=True))
+            unit.transition(UnitState.GATHERING)
+            full = unit.full_param
+            full.untyped_storage().resize_(unit.padded_numel * full.element_size())
+            # the collective writes behind autograd's back (see ZeroEngine.gather)
+            with torch.autograd._unsafe_preserve_version_counter(full):
+                self._gathers[unit.index] = self.coll.all_gather(full, src, async_op=True)
+            self._gather_pins[unit.index] = key
+            self._gather_t0[unit.index] = time.perf_counter()
+        if wait and unit.state is UnitState.GATHERING:
+            self._gathers.pop(unit.index).wait()
+            self.store.unpin(self._gather_pins.pop(unit.index), Tier.DEVICE)   # the gather no longer reads it
+            self.tracer.add(f"all-gather {unit.name}", self._gather_t0.pop(unit.index), time.perf_counter(),
+                            lane="comm")
+            unit.transition(UnitState.GATHERED)
+
+    def prefetch_after(self, unit, order: list) -> None:
+        """Called once per use of a unit: advance the trace, prefetch shards, maybe start the next gather."""
+        if self.stage != 3 or unit.shard.key(TensorClass.PARAM) is None:
+            return super().prefetch_after(unit, order)
+        for index in self.prefetcher.on_use(unit.index):
+            try:
+                self.store.bring(self.units[index].shard.key(TensorClass.PARAM), Tier.DEVICE)
+            except BudgetError:
+                break   # the device tier is full of pinned copies: fetch on demand instead
+        nxt = self.prefetcher.upcoming(1)
+        if nxt:
+            u = self.units[nxt[0]]
+            if u.state is UnitState.SHARDED and self.live_bytes() + _full_bytes(u) <= self.max_live_bytes:
+                self.gather(u, wait=False)
+
+    def live_bytes(self) -> int:
+        """Gathered (full) parameter bytes alive now: what ``prefetch.max_live_bytes`` caps."""
+        return sum(_full_bytes(u) for u in self.units if u.state is not UnitState.SHARDED)
+
+    # ------------------------------------------------------------ stage 2/3: gradients to their tier
+
+    def _unit_grads_ready(self, unit) -> None:
+        if self.stage < 2 or unit.shard.key(TensorClass.GRAD) is None:
+            return super()._unit_grads_ready(unit)
+        self._remaining[unit.index] = -1
+        out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+
+        def accumulate(unit=unit, out=out):
+            if self._grad_is_zero[unit.index]:
+                # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
+                self._grad_writes.append(unit.shard.replace(TensorClass.GRAD, out))
+                self._grad_is_zero[unit.index] = False
+            else:   # accumulation: pinned + marked dirty in the store, written home in the background
+                with unit.shard.update(TensorClass.GRAD) as g:
+                    g.add_(out.to(g.device))
+            unit.full_grad = None
+
+        pending = self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True, then=accumulate)
+        self._inflight.append(pending)
+        while len(self._inflight) > _MAX_INFLIGHT:
+            self._inflight.popleft().wait()
+        if self.stage == 3:
+            self.release(unit)
+
+    def zero_grad(self) -> None:
+        if self.stage < 2:
+            return super().zero_grad()
+        for unit in self.units:
+            if unit.shard.key(TensorClass.GRAD) is not None:
+                # lazily: the next reduce-scatter replaces the stored shard instead of reading it to
+                # add to zeros (saves a read and a write per step on NVMe). Every backward reduces
+                # every unit (_end_backward), so no step can read a shard that was only "zeroed" here.
+                self._grad_is_zero[unit.index] = True
+            else:
+                unit.shard.get(TensorClass.GRAD).zero_()
+            unit.full_grad = None
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if self.stage < 2 or self.placement.grads is None:
+            return super().clip_grad_norm_(max_norm)
+        if self._finish_grads():
+            return torch.tensor(float("inf"))
+        self._settle_grad_writes()
+        sq = torch.zeros((), dtype=torch.float32)
+        for u in self.units:   # one unit's gradient in memory at a time
+            sq += u.shard.read(TensorClass.GRAD).float().pow(2).sum().cpu()
+        self.coll.all_reduce_sum(sq)
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for u in self.units:
+            with u.shard.update(TensorClass.GRAD) as g:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    # ------------------------------------------------------------ the optimizer's view
+
+    def shard_jobs(self) -> list:
+        """One :class:`ShardJob` per unit, in unit order (stages 1-2: each unit's all-gather starts
+        as soon as its update is done, overlapping the rest of the step)."""
+        self._settle_grad_writes()
+        self.lent.settle()
+        jobs = []
+        for unit in self.units:
+            s = unit.shard
+            fields = {}
+            for cls in (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ, TensorClass.GRAD):
+                fields[cls] = s.key(cls) or s.get(cls)
+            if s.is_alias(TensorClass.MASTER, TensorClass.PARAM):
+                param_out = None
+            else:
+                param_out = s.key(TensorClass.PARAM) or s.get(TensorClass.PARAM)
+            on_done = None
+            if self.stage in (1, 2):
+                on_done = self._launch_post_step_gather(unit)
+            jobs.append(ShardJob(unit.name, fields[TensorClass.MASTER], fields[TensorClass.EXP_AVG],
+                                 fields[TensorClass.EXP_AVG_SQ], fields[TensorClass.GRAD], param_out,
+                                 unit.shard_group_ranges(self.shard_rank), on_done))
+        self._post_step_gathers.clear()
+        return jobs
+
+    def _settle_grad_writes(self) -> None:
+        """Surface a failed gradient write now (a bring would wait for it anyway, but not raise it)."""
+        writes, self._grad_writes = self._grad_writes, []
+        for f in writes:
+            self.store.wait(f)
+
+    def _launch_post_step_gather(self, unit):
+        def launch(param):
+            # the shard is a view of the full buffer: gather from a copy so input and output don't alias
+            shard = param.clone()
+            self._post_step_gathers.append(
+                self.coll.all_gather(unit.full_param, shard, async_op=True, then=lambda shard=shard: None))
+            while len(self._post_step_gathers) > _MAX_INFLIGHT:
+                self._post_step_gathers.popleft().wait()
+        return launch
+
+    def record_optimizer_stats(self, stats: dict) -> None:
+        self.last_optimizer_stats = dict(stats)
+
+    def _after_step(self) -> None:
+        # every rank keeps or re-records the trace together: a rank prefetching along a dropped
+        # trace would start all-gathers in an order the others do not, and deadlock
+        if self.stage == 3 and self.placement.params is not None:
+            self.prefetcher.end_step(self._all_agree)
+        super()._after_step()
+        now = self._store_counters()
+        moved = {k: v - self._store_mark["moved"].get(k, 0) for k, v in now["moved"].items()}
+        self.stats.last_step["offload"] = {
+            "moved_bytes": {k: v for k, v in moved.items() if v},
+            "io_wait_s": now["wait_s"] - self._store_mark["wait_s"],
+            "adam_s": self.last_optimizer_stats.get("adam_s", 0.0),
+            "swap_in_wait_s": self.last_optimizer_stats.get("swap_in_wait_s", 0.0),
+            "swap_out_wait_s": self.last_optimizer_stats.get("swap_out_wait_s", 0.0),
+            "peak_bytes": now["peak"],
+            "prefetch_trace": self.prefetcher.state.value,
+        }
+        self.last_optimizer_stats = {}
+        self._store_mark = now
+        self.tracer.end_step()
+        self.tracer.begin_step()
+
+    def _all_agree(self, ok: bool) -> bool:
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.coll.all_reduce_max(flag)
+        return flag.item() == 0.0
+
+    def _store_counters(self) -> dict:
+        s = self.store.stats()
+        return {"moved": dict(s["moved_bytes"]), "wait_s": s["wait_s"], "peak": s["peak_bytes"]}
+
+    # ------------------------------------------------------------ introspection / teardown
+
+    def resident_bytes(self) -> dict:
+        """In-memory bytes by class (stored shards excluded) plus the store's bytes per tier."""
+        seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
+
+        def add(kind, t):
+            if t is None:
+                return
+            st = t.untyped_storage()
+            if st.nbytes() == 0 or st.data_ptr() in seen:
+                return
+            seen.add(st.data_ptr())
+            out[kind] += st.nbytes()
+
+        kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
+        for u in self.units:
+            add("params", u.full_param)
+            add("grads", u.full_grad)
+            for cls in TensorClass:
+                if u.shard.key(cls) is None:
+                    add(kinds.get(cls, "optimizer"), u.shard.get(cls))
+        add("grads", self._grad_arena)
+        out["store"] = self.store.stats()["tier_bytes"]
+        return out
+
+    def close(self) -> None:
+        super().close()
+        if self.store is not None:
+            self.store.close()
+
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _full_bytes(unit) -> int:
+    return unit.padded_numel * unit.full_param.element_size()

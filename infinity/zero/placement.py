@@ -1,0 +1,84 @@
+"""Which tier each tensor class of a unit shard lives in (DESIGN §3, "policies are data").
+
+Built from ``offload.{optimizer,params,grads}``. ``None`` means "kept by the
+engine in ordinary (device) memory, no store involved" — the ZeRO engine's
+behaviour without offload. A class placed on ``host`` or ``nvme`` is a store
+key ``f"u{unit}.{class}"`` with that home tier; the engine brings working
+copies to the tier where they are used (:meth:`Placement.work_tier`).
+
+Trade-offs: ``host`` frees device memory at the cost of a host<->device copy
+per use; ``nvme`` frees host memory too at the cost of disk bandwidth, which
+the optimizer pipeline and the prefetcher hide as far as the disk allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infinity.config import Config
+from infinity.store import Tier
+from infinity.zero.units import TensorClass
+
+__all__ = ["Placement", "store_key"]
+
+_OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
+
+
+def store_key(unit_index: int, cls: TensorClass) -> str:
+    return f"u{unit_index}.{cls.value}"
+
+
+def _tier(value: str) -> Tier | None:
+    return None if value == "none" else Tier(value)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Home tier per tensor class; None = engine memory (not in the store)."""
+
+    params: Tier | None = None
+    grads: Tier | None = None
+    optimizer: Tier | None = None
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Placement":
+        """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
+        off = config.offload
+        return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer))
+
+    @property
+    def any_offload(self) -> bool:
+        return any(t is not None for t in (self.params, self.grads, self.optimizer))
+
+    @property
+    def uses_nvme(self) -> bool:
+        return Tier.NVME in (self.params, self.grads, self.optimizer)
+
+    def home(self, cls: TensorClass) -> Tier | None:
+        if cls is TensorClass.PARAM:
+            return self.params
+        if cls is TensorClass.GRAD:
+            return self.grads
+        return self.optimizer
+
+    def work_tier(self, cls: TensorClass) -> Tier:
+        """Where a working copy is used: parameters feed the all-gather on the device; the CPU
+        optimizer reads gradients and states (and writes parameters) in host memory."""
+        if cls is TensorClass.PARAM:
+            return Tier.DEVICE
+        return Tier.HOST
+
+    def master_is_param(self, param_is_fp32: bool) -> bool:
+        """Whether the fp32 master may be the PARAM tensor itself (one copy instead of two).
+
+        Only when the compute dtype is fp32 and both classes have the same home;
+        otherwise each is its own key.
+        """
+        return param_is_fp32 and self.params == self.optimizer
+
+    def describe(self) -> dict:
+        return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}
+
+
+def _name(t: Tier | None) -> str:
+    return "none" if t is None else t.value
