@@ -27,9 +27,14 @@ def test_matches_torch_fused_adamw_bitwise(numel, threads, chunk):
     adam = CpuAdamW(threads=threads, chunk_numel=chunk)
     p, m, v = param.clone(), torch.zeros(numel), torch.zeros(numel)
     out = torch.empty(numel, dtype=torch.bfloat16)
-    for step, g in enumerate(grads, start=1):
-        adam.step_(p, g, m, v, step=step, out=out, **HYPER)
-    adam.close()
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the worker pool only runs when torch itself is single-threaded
+    try:
+        for step, g in enumerate(grads, start=1):
+            adam.step_(p, g, m, v, step=step, out=out, **HYPER)
+    finally:
+        torch.set_num_threads(saved_threads)
+        adam.close()
     assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
     assert torch.equal(out, p.to(torch.bfloat16))
 
@@ -82,3 +87,20 @@ def test_bad_shapes_and_dtypes_are_named():
                    step=1, **HYPER)
     with pytest.raises(ValueError, match="chunk_numel"):
         CpuAdamW(chunk_numel=0)
+
+
+def test_with_torch_threads_chunks_run_in_order_and_still_match():
+    torch.manual_seed(4)
+    param, grads = torch.randn(10_000), [torch.randn(10_000) for _ in range(2)]
+    ref_p, _, _ = _torch_adamw(param, grads, fused=True)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        adam = CpuAdamW(threads=2, chunk_numel=1000)
+        p, m, v = param.clone(), torch.zeros(10_000), torch.zeros(10_000)
+        for step, g in enumerate(grads, start=1):
+            adam.step_(p, g, m, v, step=step, **HYPER)
+        adam.close()
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(p, ref_p)

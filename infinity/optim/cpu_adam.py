@@ -10,9 +10,16 @@ same chunk while it is still in cache. The chunks are independent elementwise
 work, so the result is bitwise the one torch's fused kernel gives on the whole
 tensor.
 
-Trade-off of ``chunk_numel``: smaller chunks stay in L2 for the copy-back but
-pay a kernel launch each (~10 µs); 256K fp32 elements (1 MiB per tensor) was
-the measured sweet spot here (``tools/bench_offload.py`` measures it).
+Trade-off of ``chunk_numel``: smaller chunks stay in cache for the copy-back
+but pay a kernel launch each (~10 µs); 256K-1M fp32 elements measured best here
+(``tools/bench_offload.py`` measures it).
+
+Threads: torch's fused kernel already spreads each chunk over torch's intra-op
+threads. Running our own worker threads on top of that oversubscribes the
+cores (measured 0.87x of the baseline on 2 cores), so the worker pool is used
+only when torch runs single-threaded (``torch.get_num_threads() == 1``, as in
+ranks that share a machine); otherwise chunks run in order on the caller's
+thread and torch parallelizes inside each.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ class CpuAdamW:
     ``param`` converted to ``out.dtype`` into ``out`` when given.
     """
 
-    def __init__(self, threads: int | None = None, chunk_numel: int = 256 * 1024):
+    def __init__(self, threads: int | None = None, chunk_numel: int = 1024 * 1024):
         if chunk_numel <= 0:
             raise ValueError(f"chunk_numel must be > 0, got {chunk_numel}")
         self.threads = threads or default_adam_threads()
@@ -90,7 +97,7 @@ class CpuAdamW:
             return
         hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         ranges = self._split(numel)
-        if self._pool is None or len(ranges) == 1:
+        if self._pool is None or len(ranges) == 1 or torch.get_num_threads() > 1:
             for lo, hi in ranges:
                 self._update_range(param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper)
             return
