@@ -16,8 +16,6 @@ The source (the offload engine) provides ``store``, ``tracer``,
 
 from __future__ import annotations
 
-import torch
-
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.offload_pipeline import AdamPipeline
 from infinity.optim.sharded_adamw import ShardedAdamW
@@ -33,23 +31,6 @@ class OffloadAdamW(ShardedAdamW):
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(source.store, self.adam, lookahead=lookahead, tracer=source.tracer)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.source.prepare_step():
-            self.skipped_steps += 1
-            return loss
-        for i in range(len(self.param_groups)):
-            self.group_steps[i] += 1
-
-        def hyper(gi: int) -> dict:
-            g = self.param_groups[gi]
-            return dict(step=self.group_steps[gi], lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                        weight_decay=g["weight_decay"])
-
-        self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), hyper))
-        self.source.finish_step()
-        return loss
+    def _update_shards(self) -> None:
+        # the shards stream through the swap-in -> update -> write-back pipeline
+        self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), self._hyper))

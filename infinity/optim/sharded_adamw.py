@@ -88,15 +88,25 @@ class ShardedAdamW(torch.optim.Optimizer):
             return loss
         for i in range(len(self.param_groups)):
             self.group_steps[i] += 1
-        for gi, master, grad, exp_avg, exp_avg_sq, out in self.source.shard_slices():
-            g = self.param_groups[gi]
-            grad32 = grad if grad.dtype == torch.float32 else grad.float()
-            adamw_(master, grad32, exp_avg, exp_avg_sq, step=self.group_steps[gi], lr=g["lr"],
-                   beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"], weight_decay=g["weight_decay"])
-            if out is not None:
-                out.copy_(master)  # low-precision copy-back into the compute-dtype param shard
+        self._update_shards()
         self.source.finish_step()
         return loss
+
+    def _hyper(self, gi: int) -> dict:
+        """Param group ``gi``'s AdamW settings for this step."""
+        g = self.param_groups[gi]
+        return dict(step=self.group_steps[gi], lr=g["lr"], betas=g["betas"], eps=g["eps"],
+                    weight_decay=g["weight_decay"])
+
+    def _update_shards(self) -> None:
+        """AdamW on every shard slice where it lives (in memory here; offloaded in OffloadAdamW)."""
+        for gi, master, grad, exp_avg, exp_avg_sq, out in self.source.shard_slices():
+            h = self._hyper(gi)
+            grad32 = grad if grad.dtype == torch.float32 else grad.float()
+            adamw_(master, grad32, exp_avg, exp_avg_sq, step=h["step"], lr=h["lr"], beta1=h["betas"][0],
+                   beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
+            if out is not None:
+                out.copy_(master)  # low-precision copy-back into the compute-dtype param shard
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards (parameters' ``.grad`` are always None: gradients live in the shards)."""

@@ -431,29 +431,30 @@ class ZeroEngine:
     # ------------------------------------------------------------ introspection
 
     def resident_bytes(self) -> dict:
-        """Bytes this rank holds now, by class: params, grads, optimizer (each storage counted once)."""
+        """Bytes this rank holds in memory now, by class: params, grads, optimizer (each storage counted once)."""
         seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
-
-        def add(kind, t):
+        for kind, t in self._resident_tensors():
             if t is None:
-                return
+                continue
             st = t.untyped_storage()
             if st.nbytes() == 0 or st.data_ptr() in seen:
-                return
+                continue
             seen.add(st.data_ptr())
             out[kind] += st.nbytes()
+        return out
 
+    def _resident_tensors(self):
+        """(kind, tensor) for every in-memory tensor of the training state; views of one storage may repeat."""
         for u in self.units:
-            add("params", u.full_param)
-            add("params", u.shard.get(TensorClass.PARAM))
-        add("grads", self._grad_arena)
+            yield "params", u.full_param
+            yield "params", u.shard.get(TensorClass.PARAM)
+        yield "grads", self._grad_arena
         for u in self.units:
-            add("grads", u.full_grad)
-            add("grads", u.shard.get(TensorClass.GRAD))
+            yield "grads", u.full_grad
+            yield "grads", u.shard.get(TensorClass.GRAD)
         for u in self.units:
             for cls in (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
-                add("optimizer", u.shard.get(cls))
-        return out
+                yield "optimizer", u.shard.get(cls)
 
     @contextlib.contextmanager
     def gathered(self):

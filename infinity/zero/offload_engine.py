@@ -345,27 +345,19 @@ class OffloadEngine(ZeroEngine):
 
     def resident_bytes(self) -> dict:
         """In-memory bytes by class (stored shards excluded) plus the store's bytes per tier."""
-        seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
-
-        def add(kind, t):
-            if t is None:
-                return
-            st = t.untyped_storage()
-            if st.nbytes() == 0 or st.data_ptr() in seen:
-                return
-            seen.add(st.data_ptr())
-            out[kind] += st.nbytes()
-
-        kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
-        for u in self.units:
-            add("params", u.full_param)
-            add("grads", u.full_grad)
-            for cls in TensorClass:
-                if u.shard.key(cls) is None:
-                    add(kinds.get(cls, "optimizer"), u.shard.get(cls))
-        add("grads", self._grad_arena)
+        out = super().resident_bytes()
         out["store"] = self.store.stats()["tier_bytes"]
         return out
+
+    def _resident_tensors(self):
+        kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
+        for u in self.units:
+            yield "params", u.full_param
+            yield "grads", u.full_grad
+            for cls in TensorClass:
+                if u.shard.key(cls) is None:  # stored shards are counted by the store, per tier
+                    yield kinds.get(cls, "optimizer"), u.shard.get(cls)
+        yield "grads", self._grad_arena
 
     def close(self) -> None:
         super().close()
