@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infinity.models import GPT, GPT_SIZES, Block, GPTConfig, gpt_config, gpt_init_
+from infinity.models import GPT, Block, GPTConfig, gpt_config, gpt_init_
 
 
 def _tiny(seed=0):

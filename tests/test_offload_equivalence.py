@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 
 import offload_cases
-from world import World
 from zero_cases import compare
 
 FP32_TOL = dict(loss_rtol=1e-5, param_atol=2e-5)
@@ -47,21 +46,6 @@ def reference(spec: dict) -> dict:
     if key not in _REF:
         _REF[key] = offload_cases.reference_run(spec)
     return _REF[key]
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    opened = {}
-
-    def get(n):
-        if n not in opened:
-            opened[n] = World(n, tmp_path_factory.mktemp(f"oworld{n}"))
-            opened[n].start()
-        return opened[n]
-
-    yield get
-    for w in opened.values():
-        w.close()
 
 
 def _specs(tmp_path, cases, **extra):

@@ -8,12 +8,11 @@ import torch.nn as nn
 
 import infinity
 import offload_cases
-from test_offload_equivalence import worlds  # noqa: F401  (the module-scoped world fixture)
 from zero_cases import VOCAB
 
 
 @pytest.mark.parametrize("world_size", (1, 2))
-def test_meta_gpt_matches_eager_init(worlds, tmp_path, world_size):  # noqa: F811
+def test_meta_gpt_matches_eager_init(worlds, tmp_path, world_size):
     spec = dict(stage=3, lr=1e-2, batch=4, tmp=str(tmp_path),
                 offload=dict(optimizer="nvme", params="nvme", grads="host"))
     got = worlds(world_size).run(offload_cases.meta_init_case, spec)[0]

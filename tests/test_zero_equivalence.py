@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 
-from world import World
 import zero_cases
 from zero_cases import compare, reference_run
 
@@ -31,21 +30,6 @@ def reference(spec: dict) -> dict:
     if key not in _REF_CACHE:
         _REF_CACHE[key] = reference_run(spec)
     return _REF_CACHE[key]
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    opened = {}
-
-    def get(n):
-        if n not in opened:
-            opened[n] = World(n, tmp_path_factory.mktemp(f"world{n}"))
-            opened[n].start()
-        return opened[n]
-
-    yield get
-    for w in opened.values():
-        w.close()
 
 
 def run_specs(worlds, n: int, specs: list) -> list:

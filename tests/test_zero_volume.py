@@ -19,23 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from world import World
 import zero_cases
-
-
-@pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    opened = {}
-
-    def get(n):
-        if n not in opened:
-            opened[n] = World(n, tmp_path_factory.mktemp(f"world{n}"))
-            opened[n].start()
-        return opened[n]
-
-    yield get
-    for w in opened.values():
-        w.close()
 
 
 def _specs():

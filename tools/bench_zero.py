@@ -47,7 +47,6 @@ def _build(model_name: str):
 
 
 def _wrap(name: str, model, param_dtype: str):
-    import torch.distributed as dist
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), **OPT)

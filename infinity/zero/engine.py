@@ -155,29 +155,35 @@ class ZeroEngine:
         self._grad_arena = None
         self._buckets = []
         if self.stage <= 1:
-            # one arena, units in reverse order (roughly the order backward finishes them), so a
-            # bucket is a contiguous range and each unit's full gradient is a view into it
-            total = sum(u.padded_numel for u in self.units)
-            self._grad_arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
-            offset, run, run_lo = 0, [], 0
-            bucket_bytes = self.config.zero.bucket_bytes
-            itemsize = self._grad_arena.element_size()
-            for unit in reversed(self.units):
-                unit.full_grad = self._grad_arena[offset:offset + unit.padded_numel]
-                lo = self.shard_rank * unit.shard_numel
-                unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
-                offset += unit.padded_numel
-                run.append(unit)
-                if (offset - run_lo) * itemsize >= bucket_bytes:
-                    self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
-                    run, run_lo = [], offset
-            if run:
-                self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
-            self._bucket_of = {u.index: b for b in self._buckets for u in b.units}
+            self._build_grad_arena()
         else:
             for unit in self.units:
                 unit.shard.put(TensorClass.GRAD, torch.zeros(unit.shard_numel, dtype=self.reduce_dtype,
                                                              device=self.device))
+
+    def _build_grad_arena(self) -> None:
+        """Stages 0-1: one gradient arena, with stage 0's all-reduce buckets as contiguous ranges of it.
+
+        Units go in reverse order (roughly the order backward finishes them), so a
+        bucket is a contiguous range and each unit's full gradient is a view into it.
+        """
+        total = sum(u.padded_numel for u in self.units)
+        self._grad_arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
+        offset, run, run_lo = 0, [], 0
+        bucket_bytes = self.config.zero.bucket_bytes
+        itemsize = self._grad_arena.element_size()
+        for unit in reversed(self.units):
+            unit.full_grad = self._grad_arena[offset:offset + unit.padded_numel]
+            lo = self.shard_rank * unit.shard_numel
+            unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
+            offset += unit.padded_numel
+            run.append(unit)
+            if (offset - run_lo) * itemsize >= bucket_bytes:
+                self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
+                run, run_lo = [], offset
+        if run:
+            self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
+        self._bucket_of = {u.index: b for b in self._buckets for u in b.units}
 
     # ------------------------------------------------------------ stage 3 gather / release
 

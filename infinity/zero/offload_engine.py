@@ -34,7 +34,7 @@ from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import BudgetError, TensorStore, Tier
 from infinity.trace import Tracer
 from infinity.zero import materialize as meta
-from infinity.zero.engine import _MAX_INFLIGHT, ZeroEngine, _Bucket
+from infinity.zero.engine import _MAX_INFLIGHT, ZeroEngine
 from infinity.zero.placement import Placement
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
 from infinity.zero.units import TensorClass, UnitState
@@ -147,23 +147,7 @@ class OffloadEngine(ZeroEngine):
             for unit in self.units:
                 unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
             return
-        # stages 0-1: one arena, units in reverse order, buckets for stage 0 (as ZeroEngine lays it out)
-        total = sum(u.padded_numel for u in self.units)
-        self._grad_arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
-        offset, run, run_lo = 0, [], 0
-        itemsize = self._grad_arena.element_size()
-        for unit in reversed(self.units):
-            unit.full_grad = self._grad_arena[offset:offset + unit.padded_numel]
-            lo = self.shard_rank * unit.shard_numel
-            unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
-            offset += unit.padded_numel
-            run.append(unit)
-            if (offset - run_lo) * itemsize >= self.config.zero.bucket_bytes:
-                self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
-                run, run_lo = [], offset
-        if run:
-            self._buckets.append(_Bucket(run, self._grad_arena[run_lo:offset]))
-        self._bucket_of = {u.index: b for b in self._buckets for u in b.units}
+        self._build_grad_arena()  # stages 0-1, laid out as ZeroEngine does
 
     # ------------------------------------------------------------ stage 3: gather from the store
 
