@@ -190,14 +190,141 @@ def _print_profile(profile: dict, paths: dict) -> None:
     print(f"wrote        {paths['json']}, {paths['plot']}")
 
 
+# ---------------------------------------------------------------- consolidate
+
+def _add_consolidate(sub) -> None:
+    p = sub.add_parser(
+        "consolidate", help="sharded checkpoint to one state dict in safetensors files",
+        description="Write a checkpoint's model state (every state_dict name, buffers included) as safetensors, "
+                    "split above --max-shard-bytes with a model.safetensors.index.json, plus config.json for a "
+                    "transformers model, streaming in bounded memory (see infinity/checkpoint/consolidate.py).")
+    p.add_argument("checkpoint", metavar="CKPT", help="a step directory, or a checkpoint root (its latest step)")
+    p.add_argument("out", metavar="OUT", help="output directory (made if missing)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="output dtype (default fp32)")
+    p.add_argument("--max-shard-bytes", default="2GiB", metavar="SIZE",
+                   help="start a new output file past this size (default 2GiB)")
+    p.add_argument("--buffer-bytes", default="64MiB", metavar="SIZE",
+                   help="tensor data held in memory at once (default 64MiB)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_consolidate)
+
+
+def _run_consolidate(args) -> int:
+    from infinity.checkpoint import CheckpointError, consolidate
+    from infinity.config import parse_size
+
+    max_shard_bytes = parse_size(args.max_shard_bytes, "--max-shard-bytes")
+    buffer_bytes = parse_size(args.buffer_bytes, "--buffer-bytes")
+    for flag, value, least in (("--max-shard-bytes", max_shard_bytes, 1), ("--buffer-bytes", buffer_bytes, 16)):
+        if value < least:
+            raise UsageError(f"{flag} must be at least {least} bytes, got {value}")
+    try:
+        summary = consolidate(args.checkpoint, args.out, args.dtype, max_shard_bytes, buffer_bytes)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"consolidated {summary['checkpoint']} (step {summary['step']}): {summary['tensors']} tensors, "
+          f"{_size(summary['bytes'])} as {summary['dtype']} -> {summary['out']}")
+    for name in summary["files"]:
+        print(f"  {name}")
+    return 0
+
+
+# ---------------------------------------------------------------- train
+
+def _add_train(sub) -> None:
+    from infinity.train import DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STEPS, DEFAULT_SWAP_DIR
+
+    p = sub.add_parser(
+        "train", help="train a model (default: a small built-in GPT on the embedded corpus, ZeRO-3)",
+        description="Train with ZeRO stages 0-3 and device/host/NVMe tiers (see infinity/train/). With no "
+                    "arguments: a small built-in GPT on the Python standard library's source, ZeRO-3, with the "
+                    f"swap directory ./{DEFAULT_SWAP_DIR}. Ctrl-C stops after the current step and removes the "
+                    "swap files (exit code 130).")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config)")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="local ranks to start (default 1); under torchrun the launcher's ranks are joined instead")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
+                   help=f"optimizer steps (default {DEFAULT_STEPS})")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                   help="built-in GPT size (tiny, 125m, 350m, 1b, 3b), optionally with changed fields "
+                        "(125m:n_layer=4), or a transformers config class: hf:GPT2Config:n_layer=2,n_embd=64,n_head=2 "
+                        f"(built from config, never downloaded). Default {DEFAULT_MODEL}")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="N",
+                   help=f"global sequences per step, over all ranks and micro-batches (default {DEFAULT_BATCH_SIZE})")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, metavar="N",
+                   help=f"tokens (bytes) per sequence (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--accum", type=int, default=1, metavar="N", help="micro-batches per rank per step (default 1)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (overrides optimizer.lr)")
+    p.add_argument("--seed", type=int, default=0, help="model init and batch order (default 0)")
+    p.add_argument("--stage", type=int, default=None, choices=(0, 1, 2, 3), help="overrides zero.stage")
+    p.add_argument("--swap-dir", metavar="DIR", help=f"overrides tiers.nvme_path (default ./{DEFAULT_SWAP_DIR}); "
+                                                     "each run uses a subdirectory of its own, removed at the end")
+    p.add_argument("--device-bytes", metavar="SIZE", help="overrides tiers.device_bytes, e.g. 512MiB")
+    p.add_argument("--host-bytes", metavar="SIZE", help="overrides tiers.host_bytes, e.g. 8GiB")
+    p.add_argument("--data", metavar="FILE", help="train on this file's bytes instead of the default corpus")
+    p.add_argument("--corpus-bytes", metavar="SIZE", help="how much of the default corpus to use (default 4MiB)")
+    p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step")
+    p.add_argument("--trace", metavar="FILE", help="write a Perfetto/Chrome trace of one step (every rank)")
+    p.add_argument("--trace-step", type=int, default=1, metavar="N",
+                   help="which step --trace records, 0-based (default 1: step 0 also records the gather order)")
+    p.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args) -> int:
+    from infinity.train import RankError, TrainError, TrainOptions, train
+
+    options = TrainOptions(
+        config=args.config, nproc=args.nproc, steps=args.steps, model=args.model, batch_size=args.batch_size,
+        seq_len=args.seq_len, accum=args.accum, lr=args.lr, seed=args.seed, stage=args.stage,
+        swap_dir=args.swap_dir, device_bytes=args.device_bytes, host_bytes=args.host_bytes, data=args.data,
+        corpus_bytes=args.corpus_bytes, metrics=args.metrics, trace=args.trace, trace_step=args.trace_step,
+        progress=not args.no_progress)
+    try:
+        result = train(options)
+    except TrainError as e:
+        raise UsageError(str(e)) from None
+    except RankError as e:
+        print(f"infinity train: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:   # a second Ctrl-C: stopped at once
+        print("infinity train: interrupted; stopped without finishing the step, swap files removed",
+              file=sys.stderr)
+        return 130
+    if result.rank != 0:    # under torchrun only rank 0 speaks
+        return 130 if result.interrupted else 0
+    s = result.summary
+    if result.interrupted:
+        done = f"after step {s['steps']} of {s['steps_requested']}" if s.get("steps") is not None else "at once"
+        print(f"infinity train: interrupted {done}; swap files removed", file=sys.stderr)
+    if args.json:
+        print(json.dumps(s, indent=2))
+    elif s.get("steps"):
+        offload = ", ".join(f"{k} {v}" for k, v in s["offload"].items() if v != "none") or "no offload"
+        print(f"{s['model']}: {s['num_params']:,} params, {s['world_size']} rank(s), ZeRO-{s['stage']}, "
+              f"{s['param_dtype']}, {offload}")
+        print(f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens in {s['elapsed_s']:.1f} s; "
+              f"loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; {s['tokens_per_s']:,.0f} tokens/s")
+        for what in ("metrics", "trace"):
+            if s.get(what):
+                print(f"wrote {what} to {s[what]}")
+    return 130 if result.interrupted else 0
+
+
 # ---------------------------------------------------------------- program
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="infinity", description="Train models whose training state is larger than device memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    # Each sub-command registers itself here: train, plan and consolidate join as they are built.
+    # Each sub-command registers itself here: plan joins when it is built.
+    _add_train(sub)
     _add_estimate(sub)
     _add_profile(sub)
+    _add_consolidate(sub)
     return parser
 
 

@@ -1,0 +1,228 @@
+"""Where the ranks come from, and how they stop.
+
+- ``nproc == 1``: this process is the only rank (no ``torch.distributed``);
+- ``nproc > 1``: that many local ranks are spawned (gloo on CPU, NCCL on CUDA,
+  a free TCP port on localhost) and waited for; the first to fail ends the run
+  and the others are killed rather than left in a collective;
+- under ``torchrun`` (``WORLD_SIZE`` and ``RANK`` set): this process is one rank
+  of the launcher's group; multi-node is torchrun's job.
+
+Stopping: the first SIGINT (Ctrl-C) asks every rank to stop after the step it
+is in; the ranks agree on it in the per-step all-reduce that averages the loss
+(see :mod:`infinity.train.loop`), so none is left waiting in a collective.
+Each rank then closes its engine, and the launcher removes the run's swap
+directory. A second SIGINT stops at once (spawned ranks are killed; the swap
+directory is still removed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from infinity.train.errors import RankError, TrainError
+from infinity.train.loop import run_rank
+from infinity.train.options import TrainOptions, TrainResult
+from infinity.train.plan import Plan, check_int, prepare_swap_dir, resolve, under_torchrun, with_swap_dir
+
+__all__ = ["train", "launch"]
+
+# How long spawned ranks get to finish their step and close after a stop before they are killed.
+_STOP_GRACE_S = 60.0
+# After a rank died without a word, how long a report it queued just before dying may take to arrive.
+_FAILURE_GRACE_S = 2.0
+
+
+def train(options: TrainOptions | None = None) -> TrainResult:
+    """Validate ``options``, start the ranks, train, clean up; rank 0's :class:`TrainResult`.
+
+    Raises :class:`TrainError` for bad input (before anything starts) and
+    :class:`RankError` when a rank fails. ``result.interrupted`` is True when a
+    SIGINT stopped the run early.
+    """
+    options = options or TrainOptions()
+    if under_torchrun():
+        if options.nproc != 1:
+            raise TrainError(f"--nproc {options.nproc}: under torchrun the ranks are torchrun's "
+                             "(--nproc_per_node); drop --nproc")
+        world_size = int(os.environ["WORLD_SIZE"])
+        plan = resolve(options, world_size)
+        if plan.swap_dir is not None:
+            prepare_swap_dir(plan.swap_dir)   # every rank checks its own node's disk
+        # torchrun answers its own SIGINT by sending the workers SIGTERM: both mean "stop after this step"
+        with _StopOnSignal(threading.Event(), (signal.SIGINT, signal.SIGTERM)) as stop:
+            return run_rank(plan, int(os.environ["RANK"]), world_size, stop)
+    nproc = check_int("--nproc", options.nproc, 1)
+    if torch.cuda.is_available() and nproc > torch.cuda.device_count():   # CUDA-only: one device per rank
+        raise TrainError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) here, one per rank")
+    return launch(resolve(options, nproc), nproc)
+
+
+def launch(plan: Plan, nproc: int) -> TrainResult:
+    """Run ``plan`` on ``nproc`` local ranks in a swap directory of its own, removed afterwards."""
+    run_dir = None
+    if plan.swap_dir is not None:
+        prepare_swap_dir(plan.swap_dir)
+        # a directory per run: two runs sharing a swap dir must not meet in each other's files
+        run_dir = Path(plan.swap_dir) / f"run-{os.getpid()}-{time.time_ns() % 10**9}"
+        run_dir.mkdir()
+        plan = with_swap_dir(plan, str(run_dir))
+    try:
+        if nproc == 1:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(_threads_per_rank(1))
+            try:
+                with _StopOnSignal(threading.Event()) as stop:
+                    return run_rank(plan, 0, 1, stop)
+            finally:
+                torch.set_num_threads(threads)
+        return _spawn(plan, nproc)
+    finally:
+        if run_dir is not None:
+            # the engine closes its own files; this also covers ranks that were killed mid-write
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _threads_per_rank(nproc: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // nproc)
+
+
+class _StopOnSignal:
+    """While active, the first of ``signals`` sets ``event`` (stop after this step); the next raises
+    KeyboardInterrupt (stop now)."""
+
+    def __init__(self, event, signals=(signal.SIGINT,)):
+        self.event, self.signals = event, signals
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():   # signal handlers live on the main thread
+            self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        return self.event
+
+    def __exit__(self, *exc):
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
+        return False
+
+
+# ---------------------------------------------------------------- spawned ranks
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank_fn, plan: Plan, rank: int, world_size: int, port: int, stop, reports) -> None:
+    # The terminal's Ctrl-C reaches the whole process group; the parent turns it into `stop`,
+    # which every rank honours at the same step. A rank interrupted alone would hang the others.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(_threads_per_rank(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        result = rank_fn(plan, rank, world_size, stop)
+        reports.put(("done", rank, result))
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, or it waits for nothing
+        import traceback
+        line = (str(e).strip().splitlines() or [""])[0]
+        if not isinstance(e, RankError):   # a RankError already says what went wrong, in words
+            line = f"rank {rank} failed: {type(e).__name__}" + (f": {line}" if line else "")
+        reports.put(("error", rank, line, traceback.format_exc()))
+        # flush the report before the process group goes down below: the other ranks fail once our
+        # sockets close, and their (secondary) errors must not reach the parent ahead of this one
+        reports.close()
+        reports.join_thread()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn(plan: Plan, nproc: int, rank_fn=None) -> TrainResult:
+    """Start ``nproc`` ranks running ``rank_fn`` (default: the training loop); rank 0's result.
+
+    The first rank to fail (or to die without a report) ends the run: the
+    others are killed rather than left waiting for it in a collective.
+    """
+    ctx = mp.get_context("spawn")   # fork would copy this process's torch threads and locks
+    stop, reports = ctx.Event(), ctx.Queue()
+    port = _free_port()
+    rank_fn = rank_fn or run_rank
+    procs = [ctx.Process(target=_rank_entry, args=(rank_fn, plan, r, nproc, port, stop, reports), daemon=True,
+                         name=f"infinity-rank{r}") for r in range(nproc)]
+    results: dict = {}
+    failure = None
+    deadline = None
+    try:
+        with _StopOnSignal(stop):
+            for p in procs:
+                p.start()
+            while len(results) < nproc and failure is None:
+                if stop.is_set() and deadline is None:
+                    deadline = time.monotonic() + _STOP_GRACE_S
+                if deadline is not None and time.monotonic() > deadline:
+                    raise KeyboardInterrupt
+                msg = _get_or_none(reports, 0.2)
+                if msg is None:
+                    dead = next((r for r, p in enumerate(procs)
+                                 if r not in results and p.exitcode not in (None, 0)), None)
+                    if dead is None:
+                        continue
+                    # a report the dead rank queued just before it exited may still be in the pipe
+                    msg = _get_or_none(reports, _FAILURE_GRACE_S)
+                    if msg is None:
+                        failure = RankError(f"rank {dead} exited with code {procs[dead].exitcode} "
+                                            "before reporting (killed, or out of memory?)")
+                        break
+                kind, rank = msg[0], msg[1]
+                if kind == "done":
+                    results[rank] = msg[2]
+                else:
+                    failure = RankError(f"{msg[2]}{_killed_note(procs, rank)}", msg[3])
+    except KeyboardInterrupt:
+        _kill(procs)
+        return TrainResult(0, nproc, True, {"steps": None, "killed": True})
+    finally:
+        _kill(procs)   # after a failure the others may sit in a collective the failed rank will never join
+    if failure is not None:
+        raise failure
+    return results[0]
+
+
+def _killed_note(procs, reporting_rank: int) -> str:
+    """Ranks a signal took (the OOM killer, say) while another reported the collective they broke."""
+    killed = [f"rank {r} was killed by signal {-p.exitcode}" for r, p in enumerate(procs)
+              if r != reporting_rank and p.exitcode is not None and p.exitcode < 0]
+    return f" ({', '.join(killed)} first)" if killed else ""
+
+
+def _get_or_none(q, timeout_s: float):
+    try:
+        return q.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
