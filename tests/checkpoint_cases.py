@@ -33,6 +33,10 @@ def build(spec: dict, seed: int | None = None):
     if groups:
         groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
     cfg = config_for(spec)
+    if "offload" in spec:  # shards homed in the store (host / NVMe): the same save and load path must stream them
+        from offload_cases import offload_config
+
+        cfg = offload_config(spec, *_rank_world())
     if "loss_scale_window" in spec:  # fp16: a short window moves the scale every step, so its state matters
         cfg["precision"].update(loss_scale_window=spec["loss_scale_window"],
                                 initial_loss_scale=spec["initial_loss_scale"])
@@ -83,11 +87,13 @@ def run_and_save(spec: dict, root: str) -> dict:
     at_save = full_state(model, engine)
     at_save_logits = logits(model, engine) if spec.get("logits") else None
     scale_at_save = engine.loss_scaler.scale if engine.loss_scaler else None
+    nvme_bytes = engine.resident_bytes()["store"]["nvme"] if "offload" in spec else 0
     path = save_checkpoint(root, model, opt, keep_last=spec.get("keep_last"))
     draw = torch.rand(4)
     losses += train(model, opt, spec, spec["save_at"], spec["steps"])
     return {"path": str(path), "at_save": at_save, "at_save_logits": at_save_logits, "draw": draw,
             "losses": losses, "final": full_state(model, engine), "scale_at_save": scale_at_save,
+            "nvme_bytes_at_save": nvme_bytes,
             "scale": engine.loss_scaler.scale if engine.loss_scaler else None}
 
 

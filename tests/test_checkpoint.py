@@ -46,8 +46,10 @@ SPECS = {
     "s2_fp16": dict(BASE, stage=2, dtype="fp16", loss_scale_window=1, initial_loss_scale=1024.0),
     "tied": dict(BASE, model="cross_tied", stage=2, groups=True, extras=True),
     "gpt2": dict(BASE, model="hf_gpt2", stage=3, steps=2, logits=True),
+    "s1_nvme": dict(BASE, stage=1, offload=dict(optimizer="nvme", params="none", grads="none")),
+    "s3_nvme": dict(BASE, stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host")),
 }
-EXACT = ("s1", "s3", "s3_bf16", "s2_fp16")
+EXACT = ("s1", "s3", "s3_bf16", "s2_fp16", "s1_nvme", "s3_nvme")
 FP32_TOL = dict(loss_rtol=1e-5, param_atol=5e-5)
 
 
@@ -56,10 +58,12 @@ def saved(tmp_path_factory):
     """Every spec trained and saved at world size 2; then resumed (exact cases) in a restarted world of 2."""
     tmp = tmp_path_factory.mktemp("ckpt")
     roots = {k: str(tmp / k) for k in SPECS}
+    # offloaded specs get a swap root of their own (each rank makes its directory below it)
+    specs = {k: dict(v, tmp=str(tmp / f"swap_{k}")) if "offload" in v else v for k, v in SPECS.items()}
     with World(2, tmp_path_factory.mktemp("world2")) as w:
-        before = w.run(checkpoint_cases.many, "run_and_save", [(SPECS[k], roots[k]) for k in SPECS])[0]
+        before = w.run(checkpoint_cases.many, "run_and_save", [(specs[k], roots[k]) for k in SPECS])[0]
         w.start()  # new processes: nothing survives but the files
-        after = w.run(checkpoint_cases.many, "load_and_continue", [(SPECS[k], roots[k]) for k in EXACT])[0]
+        after = w.run(checkpoint_cases.many, "load_and_continue", [(specs[k], roots[k]) for k in EXACT])[0]
     return {"roots": roots, "before": dict(zip(SPECS, before)), "after": dict(zip(EXACT, after))}
 
 
@@ -86,6 +90,8 @@ def test_exact_resume_in_new_processes(saved, name):
     _assert_states_equal(after["final"], before["final"])
     assert after["scale_loaded"] == before["scale_at_save"]            # fp16: the loss scaler's state too
     assert after["scale"] == before["scale"]
+    if "offload" in spec:  # the state really lived on NVMe when it was saved
+        assert before["nvme_bytes_at_save"] > 0
     if name == "s2_fp16":
         assert before["scale_at_save"] != SPECS[name]["initial_loss_scale"]  # it moved: restoring it is under test
 

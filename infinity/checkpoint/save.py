@@ -178,12 +178,12 @@ def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
 
 
 def _write_unit(path: Path, unit, rank: int) -> dict:
-    """One unit shard's fp32 states, read through UnitShard.get one class at a time."""
+    """One unit shard's fp32 states, read through UnitShard.read one class at a time (stored: no write-back)."""
     specs = [(name, torch.float32, (unit.shard_numel,)) for name in SHARD_TENSORS]
     writer = TensorFileWriter(path, specs, {"unit": unit.name, "rank": rank})
     try:
         for name in SHARD_TENSORS:
-            t = unit.shard.get(TensorClass(name))
+            t = unit.shard.read(TensorClass(name))
             chunk = _WRITE_CHUNK_BYTES // t.element_size()
             for lo in range(0, t.numel(), chunk):
                 writer.write(t[lo:lo + chunk])

@@ -167,6 +167,10 @@ class UnitShard:
         except KeyError:
             raise KeyError(f"unit shard holds no {cls.value} tensor") from None
 
+    def read(self, cls: TensorClass) -> torch.Tensor:
+        """Like :meth:`get` for a caller that will not write (a store-backed shard then skips the write-back)."""
+        return self.get(cls)
+
     def has(self, cls: TensorClass) -> bool:
         return cls in self._tensors
 
