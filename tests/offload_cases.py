@@ -107,19 +107,8 @@ def train_case(spec: dict) -> dict:
         for step in range(spec["steps"]):
             if spec["model"] == "reorder":
                 model.route = route_for(step)
-            ids = global_batch(step, spec["batch"])
-            accum = spec.get("accum", 1)
-            micro = ids.chunk(world * accum)   # micro-batch j of rank r is global chunk r * accum + j
-            total = torch.zeros(())
-            for j in range(accum):
-                mb = micro[rank * accum + j]
-                loss = model(input_ids=mb, labels=mb).loss
-                (loss / accum).backward()
-                total += loss.detach().float() / accum
-            if dist.is_initialized():
-                dist.all_reduce(total)
-                total /= world
-            losses.append(total.item())
+            losses.append(zero_cases.backward_on_share(model, global_batch(step, spec["batch"]), rank, world,
+                                                       spec.get("accum", 1)))
             if spec.get("clip"):
                 norms.append(float(opt.clip_grad_norm_(spec["clip"])))
             opt.step()

@@ -140,6 +140,24 @@ def config_for(spec: dict) -> dict:
     }
 
 
+def backward_on_share(model, global_ids: torch.Tensor, rank: int, world: int, accum: int = 1) -> float:
+    """Forward/backward this rank's micro-batches of a global batch; returns the loss averaged over all ranks.
+
+    Micro-batch j of rank r is global chunk r * accum + j, so the ranks together see
+    exactly the global batch the single-process reference trains on.
+    """
+    micro = global_ids.chunk(world * accum)
+    total = torch.zeros(())
+    for j in range(accum):
+        loss = _loss(model, micro[rank * accum + j])
+        (loss / accum).backward()
+        total += loss.detach().float() / accum
+    if dist.is_initialized():
+        dist.all_reduce(total)
+        total /= world
+    return total.item()
+
+
 def train_case(spec: dict) -> dict:
     """Train with infinity on this rank's share of each global batch; rank 0 returns the full params."""
     import infinity
@@ -153,17 +171,7 @@ def train_case(spec: dict) -> dict:
     accum = spec.get("accum", 1)
     losses, norms, stats = [], [], []
     for step in range(spec["steps"]):
-        ids = global_batch(step, spec["batch"])
-        micro = ids.chunk(world * accum)  # micro-batch j of rank r is global chunk r * accum + j
-        total = torch.zeros(())
-        for j in range(accum):
-            loss = _loss(model, micro[rank * accum + j])
-            (loss / accum).backward()
-            total += loss.detach().float() / accum
-        if dist.is_initialized():
-            dist.all_reduce(total)
-            total /= world
-        losses.append(total.item())
+        losses.append(backward_on_share(model, global_batch(step, spec["batch"]), rank, world, accum))
         if spec.get("clip"):
             norms.append(float(opt.clip_grad_norm_(spec["clip"])))
         opt.step()
