@@ -664,3 +664,40 @@ def test_host_pool_reuses_aligned_buffers_within_capacity():
     assert st_["in_use_bytes"] + st_["cached_bytes"] <= 4 * 4096
     pool.release(d)
     assert pool.trim() == st_["cached_bytes"] + 2 * 4096 and pool.stats()["cached_bytes"] == 0
+
+
+# ---------------------------------------------------------------- claim (overwrite without reading)
+
+def test_claim_reads_nothing_and_becomes_the_newest_version(store, monkeypatch):
+    old = torch.arange(3000.0)
+    store.register("p", old).result()
+    store.evict("p", Tier.HOST).result()          # only the NVMe extent holds the key now
+    moved_before = dict(store.stats()["moved_bytes"])
+
+    def no_reads(*a, **kw):
+        raise AssertionError("claim must not read the old contents")
+
+    monkeypatch.setattr(store._extents, "read", no_reads)
+    t = store.claim("p", Tier.HOST, pin=True).result(timeout=10)
+    assert torch.count_nonzero(t) == 0           # lands zeroed, not with the old bytes
+    assert store.is_dirty("p")                   # home is stale from the moment of the claim
+    assert dict(store.stats()["moved_bytes"]) == moved_before
+    t.copy_(-old)
+    store.mark_dirty("p", Tier.HOST)
+    store.unpin("p", Tier.HOST)
+    store.write_back("p").result(timeout=10)
+    monkeypatch.undo()
+    store.evict("p", Tier.HOST).result(timeout=10)
+    assert_bitwise_equal(store.bring("p", Tier.HOST).result(timeout=10), -old)
+
+
+def test_claim_of_a_current_copy_returns_it(store):
+    x = torch.arange(100.0)
+    store.register("q", x, home=Tier.HOST).result()
+    assert store.claim("q", Tier.HOST).result() is store.get("q", Tier.HOST)
+
+
+def test_claim_refuses_nvme_and_slower_than_home(store):
+    store.register("r", torch.zeros(10), home=Tier.HOST).result()
+    with pytest.raises(StoreError, match="claim refused.*no slower than home"):
+        store.claim("r", Tier.NVME)

@@ -147,7 +147,11 @@ class AdamPipeline:
                     if isinstance(value, str):
                         # the same key twice (aliases) is brought and pinned once
                         if value not in seen:
-                            seen[value] = self._bring_pinned(value)
+                            # the new parameter overwrites all of the old one: claim, don't read it,
+                            # unless the key also serves a field Adam reads (fp32: param is the master)
+                            overwrite = name == "param_out" and all(
+                                getattr(job, other) != value for other in _FIELDS if other != name)
+                            seen[value] = self._bring_pinned(value, overwrite)
                             with self._progress:
                                 self._held[value] = seen[value]
                         futures[name] = seen[value]
@@ -175,15 +179,19 @@ class AdamPipeline:
             except StoreError:
                 pass
 
-    def _bring_pinned(self, key: str):
-        """Bring ``key`` to host, pinned. The store refuses (BudgetError) when the room is held by
-        pinned copies, which for us are shards the compute thread has not finished: wait for the
+    def _bring_pinned(self, key: str, overwrite: bool = False):
+        """Bring ``key`` to host, pinned (``overwrite``: claimed, its old bytes not read).
+
+        The store refuses (BudgetError) when the room is held by pinned copies, which
+        for us are shards the compute thread has not finished: wait for the
         next one to finish and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
         while True:
             with self._progress:
                 released = self._released
             try:
+                if overwrite:
+                    return self.store.claim(key, Tier.HOST, pin=True)
                 return self.store.bring(key, Tier.HOST, pin=True)
             except BudgetError:
                 with self._progress:

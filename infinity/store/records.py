@@ -61,7 +61,7 @@ class Transfer:
     starts, so a ``mark_dirty`` racing with it leaves the destination correctly stale.
     """
 
-    kind: str                        # "register" | "bring" | "write_back" | "evict" | "release"
+    kind: str                        # "register" | "bring" | "claim" | "write_back" | "evict" | "release"
     target: Tier
     hops: list[tuple[Tier | None, Tier]]
     version: int

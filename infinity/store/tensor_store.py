@@ -139,6 +139,36 @@ class TensorStore(TransferRunner):
             return self._plan_current(rec, tier, "bring", pin)
         return self._issue(key, "bring", plan)
 
+    def claim(self, key: str, tier: Tier | str, pin: bool = False) -> cf.Future:
+        """A working copy of ``key`` in ``tier`` for a caller that will overwrite all of it.
+
+        Unlike :meth:`bring`, the old contents are not read: an optimizer producing a new
+        low-precision parameter needs none of the old one's bytes, and reading them from
+        NVMe only to overwrite them doubles that tensor's traffic. The copy lands zeroed
+        and becomes the key's newest version (every other copy, home included, is stale
+        from then on); the caller writes it, then ``mark_dirty`` and ``write_back`` as after
+        any change. Future of its tensor; ``pin`` as in :meth:`bring`.
+        """
+        tier = Tier.parse(tier)
+
+        def plan(rec):
+            if tier is Tier.NVME or tier.rank > rec.home.rank:
+                raise self._refuse(rec, tier, "claim", "claim a device or host tier no slower than home")
+            if rec.op is not None:
+                return None   # another operation moves this key: wait for it, then plan again
+            copy = rec.copies[tier]
+            if copy.state is _R.RESIDENT and copy.version == rec.latest:
+                if pin:
+                    copy.pin(threading.get_ident())
+                self._touch(copy)
+                return _done(copy.tensor)   # already current: nothing to discard or read
+            if self._targets_pinned(rec, [(None, tier)], "claim"):
+                return None
+            op = Transfer("claim", tier, [(None, tier)], version=rec.latest + 1)
+            op.pins_on_done = [threading.get_ident()] if pin else []
+            return op
+        return self._issue(key, "claim", plan)
+
     def write_back(self, key: str) -> cf.Future:
         """Push the newest contents of ``key`` to its home tier. Future[None]; done at once if clean."""
         def plan(rec):

@@ -68,7 +68,7 @@ class TransferRunner:
         """Outside the lock: start hop ``index``; its source is DRAINING and its target FILLING."""
         src, dst = op.hops[index]
         try:
-            if src is None:   # register: the caller's tensor (or zeros), copied synchronously
+            if src is None:   # register / claim: the caller's tensor (or zeros), copied synchronously
                 target = rec.copies[dst].tensor
                 with torch.no_grad():   # init may be a Parameter: the copy must not join its graph
                     target.copy_(op.init) if op.init is not None else target.zero_()
@@ -103,7 +103,8 @@ class TransferRunner:
                 rec.move(dst, _R.RESIDENT, op.kind)
                 rec.copies[dst].version = op.version
                 self._touch(rec.copies[dst])
-                self._moved_bytes[f"{src.value if src else 'caller'}->{dst.value}"] += rec.nbytes
+                if op.kind != "claim":   # a claim moves nothing: its copy is zero-filled in place
+                    self._moved_bytes[f"{src.value if src else 'caller'}->{dst.value}"] += rec.nbytes
             if more:
                 # In one locked step, so no get() can grab the copy between landing and leaving.
                 rec.move(dst, _R.DRAINING, op.kind)
@@ -143,6 +144,9 @@ class TransferRunner:
                 self._explicit_evictions[evicted] += 1
                 self.recent_evictions.append((rec.key, evicted))
         elif op.kind == "bring":
+            result = rec.copies[op.target].tensor
+        elif op.kind == "claim":
+            rec.latest = op.version   # the claimed copy is the newest version; every other copy is stale
             result = rec.copies[op.target].tensor
         for thread_id in op.pins_on_done:
             rec.copies[op.target].pin(thread_id)
