@@ -276,24 +276,24 @@ class ZeroEngine:
             bucket.ready += 1
             self._launch_ready_buckets()
         elif self.stage >= 2:
-            full = unit.full_grad
             out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-
-            def accumulate(unit=unit, out=out):
-                grad = unit.shard.get(TensorClass.GRAD)
-                if self._shard_grad_zeroed[unit.index]:
-                    grad.copy_(out)  # first reduction since zero_grad
-                    self._shard_grad_zeroed[unit.index] = False
-                else:
-                    grad.add_(out)
-                unit.full_grad = None  # stage 2/3: the full gradient is dropped once reduced
-
-            pending = self.coll.reduce_scatter(out, full, average=True, async_op=True, then=accumulate)
+            pending = self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True,
+                                               then=lambda unit=unit, out=out: self._accumulate_reduced(unit, out))
             self._inflight.append(pending)
             while len(self._inflight) > _MAX_INFLIGHT:
                 self._inflight.popleft().wait()
             if self.stage == 3:
                 self.release(unit)
+
+    def _accumulate_reduced(self, unit, out: torch.Tensor) -> None:
+        """Stage 2/3: fold a reduce-scattered gradient shard into the unit's (a copy, first since zero_grad)."""
+        grad = unit.shard.get(TensorClass.GRAD)
+        if self._shard_grad_zeroed[unit.index]:
+            grad.copy_(out)
+            self._shard_grad_zeroed[unit.index] = False
+        else:
+            grad.add_(out)
+        unit.full_grad = None  # the full gradient is dropped once reduced
 
     def _launch_ready_buckets(self) -> None:
         # launch strictly in bucket order so every rank issues the same sequence of collectives

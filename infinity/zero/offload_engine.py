@@ -141,7 +141,6 @@ class OffloadEngine(ZeroEngine):
 
     def _build_grads(self) -> None:
         self._grad_arena, self._buckets = None, []
-        self._grad_is_zero = [False] * len(self.units)   # stored grad shards awaiting replacement
         self._grad_writes: list = []                     # their writes, waited on before the step reads them
         if self.stage >= 2:
             for unit in self.units:
@@ -196,41 +195,18 @@ class OffloadEngine(ZeroEngine):
 
     # ------------------------------------------------------------ stage 2/3: gradients to their tier
 
-    def _unit_grads_ready(self, unit) -> None:
-        if self.stage < 2 or unit.shard.key(TensorClass.GRAD) is None:
-            return super()._unit_grads_ready(unit)
-        self._remaining[unit.index] = -1
-        out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-
-        def accumulate(unit=unit, out=out):
-            if self._grad_is_zero[unit.index]:
-                # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
-                self._grad_writes.append(unit.shard.replace(TensorClass.GRAD, out))
-                self._grad_is_zero[unit.index] = False
-            else:   # accumulation: pinned + marked dirty in the store, written home in the background
-                with unit.shard.update(TensorClass.GRAD) as g:
-                    g.add_(out.to(g.device))
-            unit.full_grad = None
-
-        pending = self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True, then=accumulate)
-        self._inflight.append(pending)
-        while len(self._inflight) > _MAX_INFLIGHT:
-            self._inflight.popleft().wait()
-        if self.stage == 3:
-            self.release(unit)
-
-    def zero_grad(self) -> None:
-        if self.stage < 2:
-            return super().zero_grad()
-        for unit in self.units:
-            if unit.shard.key(TensorClass.GRAD) is not None:
-                # lazily: the next reduce-scatter replaces the stored shard instead of reading it to
-                # add to zeros (saves a read and a write per step on NVMe). Every backward reduces
-                # every unit (_end_backward), so no step can read a shard that was only "zeroed" here.
-                self._grad_is_zero[unit.index] = True
-            else:
-                unit.shard.get(TensorClass.GRAD).zero_()
-            unit.full_grad = None
+    def _accumulate_reduced(self, unit, out: torch.Tensor) -> None:
+        if unit.shard.key(TensorClass.GRAD) is None:
+            return super()._accumulate_reduced(unit, out)
+        if self._shard_grad_zeroed[unit.index]:
+            # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
+            # (zero_grad is lazy, saving a read and a write of every stored shard per step)
+            self._grad_writes.append(unit.shard.replace(TensorClass.GRAD, out))
+            self._shard_grad_zeroed[unit.index] = False
+        else:   # accumulation: pinned + marked dirty in the store, written home in the background
+            with unit.shard.update(TensorClass.GRAD) as g:
+                g.add_(out.to(g.device))
+        unit.full_grad = None
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if self.stage < 2 or self.placement.grads is None:
