@@ -68,27 +68,11 @@ def build(kind: str, seed: int = 0) -> nn.Module:
 
 
 def reference_run(spec: dict) -> dict:
-    """Single-process fp32 torch.optim.AdamW over the full global batch (as zero_cases.reference_run)."""
-    torch.set_num_threads(1)
-    model = build(spec["model"], spec.get("seed", 0))
-    groups = param_groups(model, spec)
-    opt = torch.optim.AdamW(groups if groups else model.parameters(), lr=spec["lr"], betas=(0.9, 0.95),
-                            eps=1e-8, weight_decay=0.1)
-    init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    losses, norms = [], []
-    for step in range(spec["steps"]):
+    """Single-process fp32 torch.optim.AdamW over the full global batch (zero_cases.reference_run on our models)."""
+    def route(model, step):
         if spec["model"] == "reorder":
             model.route = route_for(step)
-        ids = global_batch(step, spec["batch"])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
-        if spec.get("clip"):
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"]).item())
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "norms": norms, "init": init,
-            "params": {n: p.detach().float().clone() for n, p in model.named_parameters()}}
+    return zero_cases.reference_run(spec, build=build, before_step=route)
 
 
 def train_case(spec: dict) -> dict:

@@ -104,10 +104,14 @@ def _loss(model, ids):
 
 # ---------------------------------------------------------------- the reference
 
-def reference_run(spec: dict) -> dict:
-    """Plain single-process fp32 torch.optim.AdamW over the full global batch."""
+def reference_run(spec: dict, build=None, before_step=None) -> dict:
+    """Plain single-process fp32 torch.optim.AdamW over the full global batch.
+
+    ``build(kind, seed)`` makes the model (default :func:`build_model`);
+    ``before_step(model, step)`` runs before each step (e.g. to set a data-dependent route).
+    """
     torch.set_num_threads(1)
-    model = build_model(spec["model"], spec.get("seed", 0))
+    model = (build or build_model)(spec["model"], spec.get("seed", 0))
     groups = param_groups(model, spec)
     opt = torch.optim.AdamW(groups if groups else model.parameters(), lr=spec["lr"], betas=(0.9, 0.95),
                             eps=1e-8, weight_decay=0.1)
@@ -115,6 +119,8 @@ def reference_run(spec: dict) -> dict:
     init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     losses, norms = [], []
     for step in range(spec["steps"]):
+        if before_step is not None:
+            before_step(model, step)
         ids = global_batch(step, spec["batch"])
         loss = _loss(model, ids)
         loss.backward()
