@@ -113,6 +113,14 @@ def many(specs: list) -> list:
     return [train_case(s) for s in specs]
 
 
+def fp16_case(spec: dict) -> dict:
+    """zero_cases.fp16_case with the spec's offload placement."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = offload_config(dict(spec, dtype="fp16", reduce=spec.get("reduce", "fp32")), rank, world)
+    return zero_cases.fp16_run(spec, cfg)
+
+
 def meta_init_case(spec: dict) -> dict:
     """Build the test GPT on the meta device, initialize with offload; rank 0 returns the weights."""
     import infinity

@@ -39,6 +39,23 @@ def test_matches_torch_fused_adamw_bitwise(numel, threads, chunk):
     assert torch.equal(out, p.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_grad_scale_is_applied_as_read_and_leaves_grad_alone(grad_dtype):
+    """grad_scale (fp16 unscale x clip coefficient) gives exactly the update of the pre-scaled gradient."""
+    torch.manual_seed(3)
+    numel, scale = 3 * 4096 + 5, 0.37
+    param = torch.randn(numel)
+    grads = [torch.randn(numel).to(grad_dtype) for _ in range(2)]
+    ref_p, ref_m, ref_v = _torch_adamw(param, [g.float() * scale for g in grads], fused=True)
+    adam = CpuAdamW(threads=1, chunk_numel=4096)
+    p, m, v = param.clone(), torch.zeros(numel), torch.zeros(numel)
+    for step, g in enumerate(grads, start=1):
+        before = g.clone()
+        adam.step_(p, g, m, v, step=step, grad_scale=scale, **HYPER)
+        assert torch.equal(g, before)
+    assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
+
+
 def test_close_to_default_torch_adamw():
     torch.manual_seed(1)
     param = torch.randn(5000)

@@ -123,3 +123,35 @@ def test_chrome_trace_of_a_chosen_step(worlds, tmp_path):
     names = {e["name"].split(" ")[0] for e in spans}
     assert {"adam", "write", "all-gather", "issue"} <= names, names
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+GRADS_NVME = ("fp16-grads-nvme-s3", dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="nvme"),
+                                         **SMALL_GRADS_ON_HOST))
+
+
+def test_fp16_overflow_with_stored_grads_skips_and_counts(worlds, tmp_path):
+    """fp16 with gradients on NVMe: overflow is seen as shards are reduced (never by re-reading them),
+    all ranks skip the same steps, parameters stay put on those, the scale halves / doubles as in memory."""
+    spec = dict(BASE, **GRADS_NVME[1], steps=8, scale=2.0 ** 22, window=2, tmp=str(tmp_path / "fp16"))
+    per_rank = worlds(2).run(offload_cases.fp16_case, spec)
+    r = per_rank[0]
+    assert per_rank[1]["skipped"] == r["skipped"]
+    assert r["skipped"][:2] == [1, 1], r["skipped"]
+    assert 0 in r["skipped"], r["skipped"]
+    assert r["moved"] == [not x for x in r["skipped"]]
+    assert r["scaler_skipped"] == sum(r["skipped"])
+    scale, good, expected = 2.0 ** 22, 0, []
+    for skipped in r["skipped"]:
+        scale, good = (scale / 2, 0) if skipped else (scale, good + 1)
+        scale = scale * 2 if not skipped and good % 2 == 0 else scale
+        expected.append(scale)
+    assert r["scales"] == expected
+
+
+def test_fp16_stored_grads_accumulation_and_clipping(worlds, tmp_path):
+    """fp16 compute, gradients on NVMe, two micro-batches and clipping: the unscale and the clip factor
+    ride with the step (the shards are not rewritten) and training stays close to the fp32 reference."""
+    specs = _specs(tmp_path, [GRADS_NVME], dtype="fp16", accum=2, clip=0.5)
+    got = worlds(2).run(offload_cases.many, specs)[0][0]
+    assert len(got["norms"]) == BASE["steps"] and all(n == n and n < float("inf") for n in got["norms"])
+    compare(got, reference(specs[0]), **BF16_TOL)   # norms too, within 5e-3 relative

@@ -42,11 +42,3 @@ def test_placement_follows_every_accepted_config(stage, opt, params, grads, fp32
 def test_store_keys_are_per_unit_and_class():
     assert store_key(3, TensorClass.EXP_AVG_SQ) == "u3.exp_avg_sq"
     assert len({store_key(u, c) for u in range(4) for c in TensorClass}) == 4 * len(TensorClass)
-
-
-def test_fp16_with_stored_gradients_is_refused(tmp_path):
-    model = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)]))
-    conf = {"zero": {"stage": 2}, "precision": {"param_dtype": "fp16"},
-            "offload": {"grads": "host", "optimizer": "host"}}
-    with pytest.raises(ConfigError, match="offload.grads: fp16"):
-        infinity.initialize(model, conf)

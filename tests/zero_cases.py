@@ -247,13 +247,18 @@ def volume_case(spec: dict) -> dict:
 
 def fp16_case(spec: dict) -> dict:
     """fp16 with loss scaling: per step the scale, whether it was skipped, and whether params moved."""
+    return fp16_run(spec, config_for(dict(spec, dtype="fp16", reduce=spec.get("reduce", "fp32"))))
+
+
+def fp16_run(spec: dict, cfg: dict) -> dict:
+    """fp16_case with a given config (its precision section is set here)."""
     import infinity
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = build_model("gpt")
-    cfg = config_for(dict(spec, dtype="fp16", reduce=spec.get("reduce", "fp32")))
-    cfg["precision"].update(initial_loss_scale=spec["scale"], loss_scale_window=spec.get("window", 1000))
+    cfg["precision"].update(param_dtype="fp16", initial_loss_scale=spec["scale"],
+                            loss_scale_window=spec.get("window", 1000))
     model, opt = infinity.initialize(model, cfg)
     engine = infinity.engine_of(model)
     scales, skipped, moved, losses = [], [], [], []
@@ -275,6 +280,7 @@ def fp16_case(spec: dict) -> dict:
         skipped.append(opt.skipped_steps - skipped_before)
         with engine.gathered():
             moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+    engine.close()
     return {"scales": scales, "skipped": skipped, "moved": moved, "losses": losses,
             "scaler_skipped": engine.loss_scaler.skipped_steps}
 

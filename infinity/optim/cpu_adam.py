@@ -82,8 +82,13 @@ class CpuAdamW:
         eps: float,
         weight_decay: float,
         out: torch.Tensor | None = None,
+        grad_scale: float = 1.0,
     ) -> None:
-        """One AdamW update; ``step`` is the 1-based step count after this update."""
+        """One AdamW update; ``step`` is the 1-based step count after this update.
+
+        ``grad_scale`` multiplies the gradient as each chunk is read (fp16 unscaling, clipping), so a
+        gradient that lives in a slower tier is never rewritten just to scale it; ``grad`` is not changed.
+        """
         numel = param.numel()
         for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
             if t is not None and (t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu"):
@@ -99,9 +104,10 @@ class CpuAdamW:
         ranges = self._split(numel)
         if self._pool is None or len(ranges) == 1 or torch.get_num_threads() > 1:
             for lo, hi in ranges:
-                self._update_range(param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper)
+                self._update_range(param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale)
             return
-        futures = [self._pool.submit(self._update_range, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper)
+        futures = [self._pool.submit(self._update_range, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper,
+                                     grad_scale)
                    for lo, hi in ranges]
         for f in futures:
             f.result()  # re-raises a worker's exception here
@@ -111,13 +117,15 @@ class CpuAdamW:
         per_thread = math.ceil(numel / self.threads / _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
 
-    def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper):
+    def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
         for s in range(lo, hi, self.chunk_numel):
             e = min(hi, s + self.chunk_numel)
             p = param[s:e]
             g = grad[s:e]
             if g.dtype != torch.float32:
                 g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
+            if grad_scale != 1.0:
+                g = g * grad_scale   # a new chunk: the caller's gradient stays as it was
             _adamw_chunk(p, g, exp_avg[s:e], exp_avg_sq[s:e], **hyper)
             if out is not None:
                 out[s:e].copy_(p)

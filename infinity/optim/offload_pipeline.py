@@ -50,6 +50,7 @@ class ShardJob:
     ``on_done(param)`` runs on the compute thread right after the update with the
     updated parameter (e.g. to launch its all-gather) — before any write-back of
     it completes, which is fine: the in-memory copy is already final.
+    ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
     """
 
     name: str
@@ -60,6 +61,7 @@ class ShardJob:
     param_out: str | torch.Tensor | None
     ranges: list
     on_done: Callable | None = None
+    grad_scale: float = 1.0
     _keys: list = field(default_factory=list, repr=False)
 
 
@@ -219,9 +221,10 @@ class AdamPipeline:
             if dev.type == "cpu":
                 self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
                                 step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
-                                weight_decay=h["weight_decay"], out=o)
+                                weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
             else:   # CUDA-only: states in device memory
-                adamw_(master[lo:hi], grad[lo:hi].float(), t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
+                adamw_(master[lo:hi], grad[lo:hi].float() * job.grad_scale, t["exp_avg"][lo:hi],
+                       t["exp_avg_sq"][lo:hi],
                        step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
                        weight_decay=h["weight_decay"])
                 if o is not None:

@@ -354,18 +354,23 @@ class ZeroEngine:
                 pending.popleft().wait()
         self._overflow = False
         if self.loss_scaler is not None:
-            grads = [u.shard.get(TensorClass.GRAD) for u in self.units]
-            flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-            for g in grads:
-                flag.add_((~torch.isfinite(g)).any().float())
-            self.coll.all_reduce_max(flag)
-            self._overflow = bool(flag.item() > 0)
-            if not self._overflow:
-                for g in grads:
-                    g.mul_(1.0 / self.loss_scaler.scale)
+            self._overflow = self._unscale_grads(1.0 / self.loss_scaler.scale)
             self.loss_scaler.update(self._overflow)
         self._grads_finished = True
         return self._overflow
+
+    def _unscale_grads(self, inv_scale: float) -> bool:
+        """fp16: True if any rank's gradients overflowed; else multiply them by ``inv_scale`` in place."""
+        grads = [u.shard.get(TensorClass.GRAD) for u in self.units]
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for g in grads:
+            flag.add_((~torch.isfinite(g)).any().float())
+        self.coll.all_reduce_max(flag)
+        if flag.item() > 0:
+            return True
+        for g in grads:
+            g.mul_(inv_scale)
+        return False
 
     def prepare_step(self) -> bool:
         self.stats.start("step")

@@ -55,9 +55,10 @@ class OffloadEngine(ZeroEngine):
         self.last_optimizer_stats: dict = {}
         if device is None and meta.is_meta_model(model):
             device = torch.device("cpu")
-        if config.precision.param_dtype == "fp16" and self.placement.grads is not None:
-            raise ConfigError("offload.grads: fp16 training unscales gradients in place, which stored gradient "
-                              "shards do not support in this version; use bf16, or offload.grads: none")
+        # stored gradients are never rewritten to unscale or clip them: the factor rides with the
+        # step and CPU Adam applies it to each chunk as it reads it (saves a read + write of every shard)
+        self._grad_multiplier = 1.0
+        self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: stored gradients seen non-finite
         try:
             super().__init__(model, config, param_groups, collectives=collectives, device=device)
         except BaseException:
@@ -201,15 +202,39 @@ class OffloadEngine(ZeroEngine):
         if self._shard_grad_zeroed[unit.index]:
             # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
             # (zero_grad is lazy, saving a read and a write of every stored shard per step)
+            self._note_non_finite(out)
             self._grad_writes.append(unit.shard.replace(TensorClass.GRAD, out))
             self._shard_grad_zeroed[unit.index] = False
         else:   # accumulation: pinned + marked dirty in the store, written home in the background
             with unit.shard.update(TensorClass.GRAD) as g:
                 g.add_(out.to(g.device))
+                self._note_non_finite(g)   # the sum itself may overflow in fp16
         unit.full_grad = None
 
+    def _note_non_finite(self, grad: torch.Tensor) -> None:
+        """fp16: remember an overflow while the shard is in memory, so the step never re-reads it to look."""
+        if self.loss_scaler is not None:
+            self._inf_flag.add_((~torch.isfinite(grad)).any().float().cpu())
+
+    def _stored_grads(self) -> bool:
+        return self.stage >= 2 and self.placement.grads is not None
+
+    def _unscale_grads(self, inv_scale: float) -> bool:
+        if not self._stored_grads():
+            return super()._unscale_grads(inv_scale)
+        flag, self._inf_flag = self._inf_flag, torch.zeros(1, dtype=torch.float32)
+        self.coll.all_reduce_max(flag)
+        if flag.item() > 0:
+            return True
+        self._grad_multiplier *= inv_scale
+        return False
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        self._inf_flag.zero_()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        if self.stage < 2 or self.placement.grads is None:
+        if not self._stored_grads():
             return super().clip_grad_norm_(max_norm)
         if self._finish_grads():
             return torch.tensor(float("inf"))
@@ -218,11 +243,10 @@ class OffloadEngine(ZeroEngine):
         for u in self.units:   # one unit's gradient in memory at a time
             sq += u.shard.read(TensorClass.GRAD).float().pow(2).sum().cpu()
         self.coll.all_reduce_sum(sq)
-        norm = sq.sqrt()
+        # the shards still hold fp16's scaled values: the multiplier so far is the unscale
+        norm = sq.sqrt() * self._grad_multiplier
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for u in self.units:
-            with u.shard.update(TensorClass.GRAD) as g:
-                g.mul_(coef.to(g.dtype))
+        self._grad_multiplier *= float(coef)   # applied by the step, never written into the shards
         return norm
 
     # ------------------------------------------------------------ the optimizer's view
@@ -247,7 +271,8 @@ class OffloadEngine(ZeroEngine):
                 on_done = self._launch_post_step_gather(unit)
             jobs.append(ShardJob(unit.name, fields[TensorClass.MASTER], fields[TensorClass.EXP_AVG],
                                  fields[TensorClass.EXP_AVG_SQ], fields[TensorClass.GRAD], param_out,
-                                 unit.shard_group_ranges(self.shard_rank), on_done))
+                                 unit.shard_group_ranges(self.shard_rank), on_done,
+                                 grad_scale=self._grad_multiplier))
         self._post_step_gathers.clear()
         return jobs
 
@@ -271,6 +296,7 @@ class OffloadEngine(ZeroEngine):
         self.last_optimizer_stats = dict(stats)
 
     def _after_step(self) -> None:
+        self._grad_multiplier = 1.0
         # every rank keeps or re-records the trace together: a rank prefetching along a dropped
         # trace would start all-gathers in an order the others do not, and deadlock
         if self.stage == 3 and self.placement.params is not None:
