@@ -139,3 +139,39 @@ def test_error_mid_step_leaves_nothing_pinned(tmp_path):
         for key in store.keys():
             store.release(key)   # refused for a pinned copy
         assert store.keys() == []
+
+
+def test_device_tensors_cross_through_the_copier(tmp_path):
+    """Stored states with the gradient and the bf16 parameter in device memory (stage 1-2, optimizer
+    offloaded): with CPU tensors routed as CUDA ones are, gradients are staged to host by the swap-in
+    thread, parameters copied back off the compute thread, on_done sees each final parameter in order."""
+    n, steps = 5, 2
+    with _store(tmp_path, 4096 * 1024) as store:
+        params, jobs = _make(store, n, "nvme", False)
+        grads_dev = [torch.zeros(NUMEL) for _ in range(n)]
+        params_dev = [p.to(torch.bfloat16) for p in params]
+        done = []
+        for i, job in enumerate(jobs):
+            job.grad, job.param_out = grads_dev[i], params_dev[i]
+            job.on_done = lambda p, i=i: done.append((i, p.clone()))
+        ref = [p.clone() for p in params]
+        ms, vs = [torch.zeros(NUMEL) for _ in range(n)], [torch.zeros(NUMEL) for _ in range(n)]
+        ref_adam = CpuAdamW(threads=1)
+        pipe = AdamPipeline(store, CpuAdamW(threads=1, chunk_numel=4096), lookahead=2, copy_cpu_tensors=True)
+        half = NUMEL // 2
+        for step in range(1, steps + 1):
+            for i in range(n):
+                grads_dev[i].copy_(torch.randn(NUMEL, generator=torch.Generator().manual_seed(100 * step + i)))
+                for gi, (lo, hi) in enumerate(((0, half), (half, NUMEL))):
+                    ref_adam.step_(ref[i][lo:hi], grads_dev[i][lo:hi].clone(), ms[i][lo:hi], vs[i][lo:hi],
+                                   step=step, **HYPER[gi])
+            done.clear()
+            pipe.run(jobs, lambda gi, step=step: dict(HYPER[gi], step=step))
+            assert [i for i, _ in done] == list(range(n))
+            for i, p in done:
+                assert torch.equal(p, ref[i].to(torch.bfloat16)), f"step {step}: on_done saw a stale shard {i}"
+        assert pipe._copier is not None, "the device path was not taken"
+        pipe.close()
+        for i in range(n):
+            assert torch.equal(params_dev[i], ref[i].to(torch.bfloat16))
+            assert torch.equal(store.wait(store.bring(f"u{i}.master", Tier.HOST)), ref[i])

@@ -31,6 +31,11 @@ class OffloadAdamW(ShardedAdamW):
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(source.store, self.adam, lookahead=lookahead, tracer=source.tracer)
 
+    def close(self) -> None:
+        """Stop the worker threads (CPU Adam's pool, the pipeline's device copier)."""
+        self.adam.close()
+        self.pipeline.close()
+
     def _update_shards(self) -> None:
         # the shards stream through the swap-in -> update -> write-back pipeline
         self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), self._hyper))

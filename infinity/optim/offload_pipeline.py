@@ -9,6 +9,13 @@ synchronously: a write-back is a future, waited on only at the end of the step
 (so the step returns with every state home) or by the store when it needs the
 buffer's room.
 
+Gradients and parameters that stay in device memory (CUDA; e.g. stage 1-2 with
+only the optimizer offloaded) cross to the host the same way, off the compute
+thread: the swap-in thread starts shard ``i+1``'s device->host gradient copy on
+a side stream into a pinned buffer, and the updated parameter goes back
+host->device on that stream while Adam moves on to the next shard; its
+``on_done`` (the all-gather) runs, in shard order, once its copy has landed.
+
 Host memory is bounded twice: ``lookahead`` shards are swapped in ahead of the
 one being updated, and the store's host budget caps every buffer (a swap-in
 waits for room that an earlier write-back frees). Trade-off of ``lookahead``:
@@ -21,6 +28,8 @@ Talks to the store only through its public methods (bring / mark_dirty / unpin
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures as cf
 import queue
 import threading
 import time
@@ -32,6 +41,7 @@ import torch
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.sharded_adamw import adamw_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
+from infinity.store.device_copy import DeviceCopier
 from infinity.trace import NULL_TRACER, Tracer
 
 __all__ = ["ShardJob", "AdamPipeline"]
@@ -65,14 +75,34 @@ class ShardJob:
     _keys: list = field(default_factory=list, repr=False)
 
 
-class AdamPipeline:
-    """Runs :meth:`run` once per optimizer step over a list of :class:`ShardJob`."""
+@dataclass
+class _Staged:
+    """A device tensor's host copy for Adam, and the copy's future."""
 
-    def __init__(self, store: TensorStore, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER):
+    host: torch.Tensor
+    done: cf.Future
+
+
+class AdamPipeline:
+    """Runs :meth:`run` once per optimizer step over a list of :class:`ShardJob`.
+
+    ``copy_cpu_tensors`` makes in-memory CPU tensors take the device path (copied through the
+    :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
+    """
+
+    def __init__(self, store: TensorStore, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
+                 copy_cpu_tensors: bool = False):
         if lookahead < 1:
             raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
         self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
+        self.copy_cpu_tensors = copy_cpu_tensors
+        self._copier: DeviceCopier | None = None
         self.last_stats: dict = {}
+
+    def close(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
 
     def run(self, jobs: list, hyper: Callable[[int], dict]) -> dict:
         """Update every job; ``hyper(group_index)`` gives ``step, lr, betas, eps, weight_decay``.
@@ -92,6 +122,10 @@ class AdamPipeline:
                                    name="infinity-swap-in", daemon=True)
         adam_s = wait_s = 0.0
         writes: list = []
+        # (copy to the device or None, on_done, param) in shard order: on_done runs once the copy landed
+        landing: collections.deque = collections.deque()
+        # CUDA-only: device gradients are final once the kernels queued so far (backward) have run
+        self._grads_ready = _record_event() if torch.cuda.is_available() else None
         swap_in.start()
         try:
             for job in jobs:
@@ -99,22 +133,24 @@ class AdamPipeline:
                 item = ready.get()
                 if isinstance(item, BaseException):
                     raise item
-                tensors = {name: self.store.wait(f) if f is not None else getattr(job, name)
+                tensors = {name: self._result(f) if f is not None else getattr(job, name)
                            for name, f in item.items()}
                 t1 = time.perf_counter()
                 wait_s += t1 - t0
                 self.tracer.add(f"wait swap-in {job.name}", t0, t1, lane="compute")
                 with self.tracer.span(f"adam {job.name}", lane="compute"):
-                    out = self._update(job, tensors, hyper)
+                    out, copied = self._update(job, tensors, hyper)
                 t2 = time.perf_counter()
                 adam_s += t2 - t1
-                if job.on_done is not None:
-                    job.on_done(out)
+                landing.append((copied, job.on_done, out))
+                # a copy still in flight holds its host buffer: at most `lookahead` more of them
+                self._land(landing, keep=self.lookahead)
                 writes.extend(self._swap_out(job, item))
                 with self._progress:
                     self._released += 1
                     self._progress.notify_all()
                 slots.release()
+            self._land(landing, keep=0)
             t3 = time.perf_counter()
             for f in writes:
                 self.store.wait(f)   # the step ends with every state home (a crash after it loses nothing)
@@ -157,6 +193,8 @@ class AdamPipeline:
                             with self._progress:
                                 self._held[value] = seen[value]
                         futures[name] = seen[value]
+                    elif name == "grad" and self._crosses(job, value):
+                        futures[name] = self._stage_to_host(value)
                     else:
                         futures[name] = None
                 job._keys = list(seen)
@@ -166,6 +204,40 @@ class AdamPipeline:
                 ready.put(futures)
         except BaseException as e:   # noqa: BLE001 - handed to the compute thread, which raises it
             ready.put(e)
+
+    def _crosses(self, job: ShardJob, value) -> bool:
+        """An in-memory device tensor of a job whose master is stored (so Adam runs on the host)."""
+        on_device = isinstance(value, torch.Tensor) and (value.device.type != "cpu" or self.copy_cpu_tensors)
+        return on_device and isinstance(job.master, str)
+
+    def _stage_to_host(self, value: torch.Tensor) -> _Staged:
+        host = _host_buffer(value)
+        return _Staged(host, self._device_copier(value).copy(host, value, after=self._grads_ready))
+
+    def _device_copier(self, like: torch.Tensor) -> DeviceCopier:
+        if self._copier is None:
+            self._copier = DeviceCopier(like.device)
+        return self._copier
+
+    def _result(self, f):
+        if isinstance(f, _Staged):
+            f.done.result()
+            return f.host
+        return self.store.wait(f)
+
+    @staticmethod
+    def _land(landing: collections.deque, keep: int) -> None:
+        """Run on_done for the finished params at the head of ``landing``, in order (all ranks launch
+        their all-gathers in the same order); wait for copies while more than ``keep`` are in flight."""
+        while landing:
+            copied, on_done, param = landing[0]
+            if copied is not None and not copied.done() and len(landing) <= keep:
+                return
+            landing.popleft()
+            if copied is not None:
+                copied.result()
+            if on_done is not None:
+                on_done(param)
 
     def _unpin_held(self) -> None:
         """After an error: drop the pins this run still holds, so the keys stay evictable and usable."""
@@ -202,8 +274,9 @@ class AdamPipeline:
                     while self._released == released:
                         self._progress.wait()
 
-    def _update(self, job: ShardJob, t: dict, hyper) -> torch.Tensor:
-        """Update one shard; returns the parameter as it lives in its final place.
+    def _update(self, job: ShardJob, t: dict, hyper) -> tuple:
+        """Update one shard; returns the parameter as it lives in its final place, and the future
+        of its copy there (None when Adam wrote it in place).
 
         Host-resident masters go through CpuAdamW. A master kept in device memory (optimizer
         not offloaded, CUDA) is updated where it lives with the same math; a tensor on the
@@ -213,8 +286,11 @@ class AdamPipeline:
         dev = master.device
         grad = t["grad"] if t["grad"].device == dev else t["grad"].to(dev)
         final = t["param_out"]
-        out = final if final is None or final.device == dev else torch.empty(final.shape, dtype=final.dtype,
-                                                                            device=dev)
+        to_device = self._crosses(job, job.param_out)
+        if final is None or (final.device == dev and not to_device):
+            out = final
+        else:
+            out = _host_buffer(final) if to_device else torch.empty(final.shape, dtype=final.dtype, device=dev)
         for group, lo, hi in job.ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
@@ -229,9 +305,13 @@ class AdamPipeline:
                        weight_decay=h["weight_decay"])
                 if o is not None:
                     o.copy_(master[lo:hi])
+        if to_device:
+            # off the compute thread; the copy's closure holds `out` alive until it has landed
+            return final, self._device_copier(final).copy(final, out)
         if final is not None and out is not final:
-            final.copy_(out)   # across host <-> device; blocking, so `out` may be freed right after
-        return final if final is not None else master
+            # device master -> host-stored parameter (optimizer kept on the device): blocking
+            final.copy_(out)
+        return (final if final is not None else master), None
 
     def _swap_out(self, job: ShardJob, item: dict) -> list:
         """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""
@@ -252,3 +332,15 @@ class AdamPipeline:
                         f"write {k}", t0, time.perf_counter(), lane="swap-out"))
                 futures.append(f)
         return futures
+
+
+def _host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """A host tensor shaped like ``like``; pinned when ``like`` is on CUDA, so copies run async."""
+    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+
+
+def _record_event():
+    """CUDA-only: an event recorded now on the current stream."""
+    event = torch.cuda.Event()
+    event.record()
+    return event

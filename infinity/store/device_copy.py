@@ -27,9 +27,11 @@ class DeviceCopier:
         self._stream = torch.cuda.Stream(device) if self.cuda else None  # CUDA-only: the side stream
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="infinity-store-copy")
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> cf.Future:
-        ready = None
-        if self.cuda:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> cf.Future:
+        """Copy ``src`` into ``dst`` once ``after`` (a CUDA event; default: one recorded now on the
+        caller's current stream) has passed. Done when ``dst`` holds the bytes."""
+        ready = after
+        if self.cuda and ready is None:
             # CUDA-only: the side stream must not read ``src`` (or overwrite ``dst``) before the
             # kernels the caller already queued on its stream have finished with them.
             ready = torch.cuda.Event()
