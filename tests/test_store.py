@@ -115,6 +115,22 @@ def test_register_copies_the_callers_tensor(store):
     assert torch.equal(store.bring("a", Tier.HOST).result(), torch.ones(100))
 
 
+
+@pytest.mark.parametrize("home", [Tier.HOST, Tier.NVME])
+def test_register_copy_async_lands_before_the_future(store, home):
+    """copy_async: the copy runs on the store's copy thread; the future (and any bring) waits for it."""
+    xs = [torch.randn(4096 + i) for i in range(8)]
+    futs = [store.register(f"g{i}", x, home=home, copy_async=True) for i, x in enumerate(xs)]
+    got = [store.wait(store.bring(f"g{i}", Tier.HOST)).clone() for i in range(8)]   # may overtake the futures
+    for f in futs:
+        f.result()
+    for i, x in enumerate(xs):
+        assert torch.equal(got[i], x)
+        if home is Tier.NVME:
+            store.evict(f"g{i}", Tier.HOST).result()   # re-read from the file
+        assert torch.equal(store.wait(store.bring(f"g{i}", Tier.HOST)), x)
+
+
 # ---------------------------------------------------------------- residency rules
 
 def test_transition_table_rejects_undefined_moves():

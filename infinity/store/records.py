@@ -70,6 +70,7 @@ class Transfer:
     pins_on_done: list[int] = field(default_factory=list)  # bring(pin=True) callers' thread ids:
                                                              # pin the target for them when it lands
     init: torch.Tensor | None = None  # register: the caller's tensor (None = zeros)
+    copy_async: bool = False          # register: copy ``init`` on the copier thread, not the caller's
 
 
 @dataclass

@@ -89,10 +89,13 @@ class TensorStore(TransferRunner):
     # ------------------------------------------------------------------ public operations
 
     def register(self, key: str, init: torch.Tensor | tuple | torch.Size, dtype: torch.dtype | None = None,
-                 home: Tier | str = Tier.NVME) -> cf.Future:
+                 home: Tier | str = Tier.NVME, copy_async: bool = False) -> cf.Future:
         """Add ``key`` with home tier ``home``; its contents are ``init`` (a tensor) or zeros (a shape).
 
-        The tensor is copied before this returns, so the caller may reuse it at once. The
+        The tensor is copied before this returns, so the caller may reuse it at once; with
+        ``copy_async`` it is copied by the store's copy thread instead (on CUDA a side stream,
+        so a device tensor's copy to host does not hold up the caller's stream), and the caller
+        must leave it unchanged until the future is done. The
         future is done when the contents are home. An NVMe-homed key is staged through a
         host copy, which stays cached (clean) afterwards. If the write fails the key is
         not registered.
@@ -116,7 +119,7 @@ class TensorStore(TransferRunner):
             if rec is not None:
                 raise StoreError(f"register: key {key!r} is already registered (home {rec.home.value})")
             hops = [(None, Tier.HOST), (Tier.HOST, Tier.NVME)] if home is Tier.NVME else [(None, home)]
-            return Transfer("register", home, hops, version=0, init=init)
+            return Transfer("register", home, hops, version=0, init=init, copy_async=copy_async)
 
         new = KeyRecord(key, shape, dtype, nbytes, home)
         return self._issue(key, "register", plan, new_record=new)

@@ -68,7 +68,11 @@ class TransferRunner:
         """Outside the lock: start hop ``index``; its source is DRAINING and its target FILLING."""
         src, dst = op.hops[index]
         try:
-            if src is None:   # register / claim: the caller's tensor (or zeros), copied synchronously
+            if src is None and op.init is not None and op.copy_async:
+                # the copier holds init until its bytes have landed (on CUDA: in the side stream)
+                fut = self._copier.copy(rec.copies[dst].tensor, op.init.detach())
+                op.init = None
+            elif src is None:   # register / claim: the caller's tensor (or zeros), copied synchronously
                 target = rec.copies[dst].tensor
                 with torch.no_grad():   # init may be a Parameter: the copy must not join its graph
                     target.copy_(op.init) if op.init is not None else target.zero_()

@@ -140,12 +140,13 @@ class StoreUnitShard(UnitShard):
     def replace(self, cls: TensorClass, tensor: torch.Tensor):
         """New contents for a stored class without reading the old ones (the key is re-registered:
         NVMe homes get a fresh extent, one write and no read). Returns the store's future; the
-        tensor is copied before this returns, and a later bring of the key waits for the write."""
+        tensor is copied off the caller's thread (``tensor`` must stay unchanged until the future
+        is done), and a later bring of the key waits for the copy and the write."""
         key = self._keys[cls]
         self.lent.settle()
         home = self.store.home(key)
         self.store.release(key)
-        return self.store.register(key, tensor, home=home)
+        return self.store.register(key, tensor, home=home, copy_async=True)
 
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
