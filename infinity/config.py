@@ -225,7 +225,11 @@ class TiersConfig:
 @dataclass(frozen=True)
 class PrefetchConfig:
     bytes: int = _f(256 * 2**20, _size, "how far ahead along the recorded order units are fetched")
-    max_live_bytes: int = _f(2**30, _size, "cap on gathered (full) parameter bytes alive at once")
+    max_live_bytes: Any = _f(
+        "auto", _size_or_auto, "stage 3: cap on full parameter bytes of units being gathered or gathered, for "
+        "prefetch and on-demand gathers alike (units gathered ahead or kept for backward are released to make "
+        "room); at least the root unit + the largest other unit; more lets the next all-gather overlap compute; "
+        "auto = 1GiB, or root + 2 x the largest unit if more")
 
 
 @dataclass(frozen=True)

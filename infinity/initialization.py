@@ -67,6 +67,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = o.threads if o.threads != "auto" else default_adam_threads(local_ranks)
         optimizer = OffloadAdamW(groups, engine, threads=threads, **hyper)
+        engine.on_close(optimizer.close)
     else:
         if init_fn is not None:
             raise ValueError("initialize: init_fn is only used for a model built on the meta device")

@@ -16,7 +16,9 @@ parameter shards after the step (Ψ), so they move 2Ψ per step like stage 0's
 all-reduce; stage 3 gathers each unit before forward and before backward and
 reduce-scatters once (3Ψ). The root unit (everything outside the unit modules,
 tied weights included) is gathered once per step at stage 3 and stays gathered
-through backward, as FSDP2 does for its root.
+through backward, as FSDP2 does for its root. Gathered bytes are capped by
+``prefetch.max_live_bytes`` (:mod:`infinity.zero.live_units`): a gather that
+would exceed it first releases units gathered ahead or kept for backward.
 
 Gradient accumulation (several ``backward()`` per ``step()``): stage 0
 all-reduces every micro-batch (as DDP without ``no_sync``); stage 1 sums
@@ -40,6 +42,7 @@ import torch.nn as nn
 
 from infinity.config import Config
 from infinity.zero.collectives import make_collectives
+from infinity.zero.live_units import LiveUnits, UnitUse, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.stats import EngineStats
 from infinity.zero.units import TensorClass, UnitShard, UnitState, plan_units, shard_align_numel
@@ -84,6 +87,14 @@ class ZeroEngine:
         align = shard_align_numel({self.param_dtype, self.reduce_dtype, torch.float32})
         self.units = plan_units(model, group_of, config.zero.unit_classes, self.shard_world, align)
         self._check_structure()
+        itemsize = torch.empty((), dtype=self.param_dtype).element_size()
+        full_bytes = {u.index: u.padded_numel * itemsize for u in self.units}
+        by_name = {u.name: full_bytes[u.index] for u in self.units}
+        root_name = next((u.name for u in self.units if u.is_root), None)
+        self.max_live_bytes = resolve_cap(config.prefetch.max_live_bytes, by_name, root_name)
+        if self.stage == 3:   # before materializing: a bad cap fails before any shard is written
+            check_cap(self.max_live_bytes, by_name, root_name)
+        self.live = LiveUnits(full_bytes, {u.index: u.name for u in self.units}, self.max_live_bytes)
         self._materialize()
 
         self.loss_scaler = None
@@ -109,6 +120,7 @@ class ZeroEngine:
         self._order_frozen = False
         self._handles = hooks.install(self)
         self.coll.counters.reset()  # the init broadcast is not part of any step
+        self.live.reset_step()      # nor are the full buffers materialization held
 
     # ------------------------------------------------------------ setup
 
@@ -191,6 +203,7 @@ class ZeroEngine:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
         if unit.state is UnitState.SHARDED:
             unit.transition(UnitState.GATHERING)
+            self.live.gathering(unit.index)
             full = unit.full_param
             full.untyped_storage().resize_(unit.padded_numel * full.element_size())
             # the collective writes the buffer behind autograd's back; without this the
@@ -208,10 +221,41 @@ class ZeroEngine:
             self.gather(unit)  # the collective must finish before its output storage is freed
         if unit.state is UnitState.GATHERED:
             unit.transition(UnitState.SHARDED)
+            self.live.released(unit.index)
             unit.full_param.untyped_storage().resize_(0)
 
+    def acquire(self, unit) -> None:
+        """Gather ``unit`` for use now (its forward or backward; the root's whole step). It stays in use,
+        never released for the cap, until :meth:`release` or :meth:`after_forward`. If gathering it would
+        exceed ``prefetch.max_live_bytes``, units gathered but not in use are released first; if that is
+        not enough, raises RuntimeError instead of exceeding the cap."""
+        if unit.state is UnitState.SHARDED and not self.live.fits(unit.index):
+            for index in self.live.victims_for(unit.index, self.rank):
+                self.release(self.units[index])   # a gathering victim is waited on first (see release)
+        self.live.set_use(unit.index, UnitUse.IN_USE)
+        self.gather(unit)
+
+    def after_forward(self, unit) -> None:
+        """A unit's forward is done: release it (``reshard_after_forward``), or keep it gathered for its
+        backward, where the cap may release it (its backward then gathers it again)."""
+        if self.reshard_after_forward:
+            self.release(unit)
+        elif unit.state is not UnitState.SHARDED:
+            self.live.set_use(unit.index, UnitUse.KEPT)
+
+    def gather_ahead(self, unit) -> None:
+        """Prefetch: start ``unit``'s all-gather now if it is sharded and fits under the cap (nothing is
+        released for it). Every rank decides alike, so the collectives stay in the same order."""
+        if unit.state is UnitState.SHARDED and self.live.fits(unit.index):
+            self.live.set_use(unit.index, UnitUse.AHEAD)
+            self.gather(unit, wait=False)
+
+    def live_bytes(self) -> int:
+        """Gathered (full) parameter bytes alive now: what ``prefetch.max_live_bytes`` caps at stage 3."""
+        return self.live.live_bytes
+
     def prefetch_after(self, unit, order: list) -> None:
-        """Start gathering the unit that followed ``unit`` in the recorded order (one ahead)."""
+        """Start gathering the unit that followed ``unit`` in the recorded order (one ahead, if it fits)."""
         if not self._order_frozen:
             return
         try:
@@ -219,9 +263,7 @@ class ZeroEngine:
         except ValueError:
             return
         if i + 1 < len(order):
-            nxt = self.units[order[i + 1]]
-            if nxt.state is UnitState.SHARDED:
-                self.gather(nxt, wait=False)
+            self.gather_ahead(self.units[order[i + 1]])
 
     # ------------------------------------------------------------ backward
 
@@ -410,6 +452,7 @@ class ZeroEngine:
         self._grads_finished = False
         self.stats.stop("step")
         self.stats.end_step()
+        self.stats.last_step.update(self.live.take_step_stats())   # live_peak_bytes, live_cap_releases
 
     def zero_grad(self) -> None:
         """Logically zero every gradient. Nothing is cleared here: the next backward's first write
@@ -469,7 +512,8 @@ class ZeroEngine:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit's full parameters live inside the block (stage 3 gathers, then releases them)."""
+        """Every unit's full parameters live inside the block (stage 3 gathers, then releases them).
+        Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block."""
         if self.stage != 3:
             yield
             return

@@ -1,13 +1,15 @@
 """The hooks that drive the engine from an ordinary forward and ``loss.backward()``.
 
-- root forward pre-hook: stage 3 gathers the root unit; starts the forward clock.
+- root forward pre-hook: stage 3 gathers the root unit (in use until the end of
+  backward); starts the forward clock.
 - root forward hook: fp16 wraps the outputs in :class:`ScaleGrad`; registers a
   grad hook on the outputs that marks the start of backward (and queues the
   end-of-backward flush).
-- unit forward pre-hook (stage 3): gather this unit, prefetch the next one.
-- unit forward hook (stage 3): release the unit (``reshard_after_forward``) and
-  register a grad hook on its outputs that gathers it again just before its
-  backward runs.
+- unit forward pre-hook (stage 3): gather this unit for use (``engine.acquire``,
+  within ``prefetch.max_live_bytes``), prefetch the next one.
+- unit forward hook (stage 3): release the unit (``reshard_after_forward``) or
+  keep it for backward (``engine.after_forward``), and register a grad hook on
+  its outputs that acquires it again just before its backward runs.
 - per-parameter post-accumulate-grad hook: moves ``.grad`` into the unit's flat
   gradient; the unit's last one triggers its reduction (and, stage 3, release).
 
@@ -22,7 +24,6 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 
 from infinity.zero.loss_scale import ScaleGrad
-from infinity.zero.units import UnitState
 
 __all__ = ["install", "output_tensors"]
 
@@ -76,7 +77,7 @@ def install(engine) -> list:
         engine.stats.start("forward")
         if engine.stage == 3 and root_unit is not None:
             _record(engine, engine.forward_order, root_unit)
-            engine.gather(root_unit)
+            engine.acquire(root_unit)
             engine.prefetch_after(root_unit, engine.forward_order)
 
     def root_post(module, args, out):
@@ -120,7 +121,7 @@ def _record(engine, order: list, unit) -> None:
 def _unit_pre(engine, unit):
     def pre(module, args):
         _record(engine, engine.forward_order, unit)
-        engine.gather(unit)
+        engine.acquire(unit)
         engine.prefetch_after(unit, engine.forward_order)
     return pre
 
@@ -130,15 +131,13 @@ def _unit_post(engine, unit):
         if not torch.is_grad_enabled():
             engine.release(unit)
             return None
-        if engine.reshard_after_forward:
-            engine.release(unit)
+        engine.after_forward(unit)
         tensors = output_tensors(out)
         if tensors:
             def before_backward(grad):
                 engine.enter_backward()
                 _record(engine, engine.backward_order, unit)
-                if unit.state is not UnitState.GATHERED:
-                    engine.gather(unit)
+                engine.acquire(unit)   # in use until its gradients are reduced (then released)
                 engine.prefetch_after(unit, engine.backward_order)
             register_multi_grad_hook(tensors, before_backward, mode="any")
         return None

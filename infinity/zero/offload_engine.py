@@ -11,9 +11,12 @@ What changes, and where:
 - stage-3 gather: the parameter shard is brought to the device tier and pinned
   while the all-gather reads it; a :class:`TracePrefetcher` keeps the next
   units' shards coming (NVMe -> host -> device) within ``prefetch.bytes``, and
-  the next unit's all-gather starts early while gathered bytes stay within
-  ``prefetch.max_live_bytes``. Every rank keeps or re-records the trace
-  together (one tiny all-reduce per step);
+  the next unit's all-gather starts early if it fits ``prefetch.max_live_bytes``,
+  the cap on full parameter bytes of gathering or gathered units. The cap holds
+  for every gather of the step, on-demand ones too: units gathered ahead or kept
+  for backward are released to make room, units in use never are
+  (:mod:`infinity.zero.live_units`); per-step peak in ``live_peak_bytes``.
+  Every rank keeps or re-records the trace together (one tiny all-reduce per step);
 - stage-2/3 gradients: each reduce-scattered shard is added into its stored
   copy and written home as it is produced;
 - the optimizer step: :meth:`shard_jobs` hands the pipelined CPU Adam
@@ -53,6 +56,7 @@ class OffloadEngine(ZeroEngine):
         self._gather_t0: dict = {}
         self._store_mark = None
         self.last_optimizer_stats: dict = {}
+        self._closers: list = []            # run by close(): the optimizer's worker threads
         if device is None and meta.is_meta_model(model):
             device = torch.device("cpu")
         # stored gradients are never rewritten to unscale or clip them: the factor rides with the
@@ -68,7 +72,6 @@ class OffloadEngine(ZeroEngine):
         self.tracer.rank = self.rank
         unit_bytes = {u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units}
         self.prefetcher = TracePrefetcher(unit_bytes, config.prefetch.bytes)
-        self.max_live_bytes = config.prefetch.max_live_bytes
         self._store_mark = self._store_counters()
         self.tracer.begin_step()
 
@@ -161,6 +164,7 @@ class OffloadEngine(ZeroEngine):
             # hand its budget to another key while the collective still reads it
             src = self.store.wait(self.store.bring(key, Tier.DEVICE, pin=True))
             unit.transition(UnitState.GATHERING)
+            self.live.gathering(unit.index)
             full = unit.full_param
             full.untyped_storage().resize_(unit.padded_numel * full.element_size())
             # the collective writes behind autograd's back (see ZeroEngine.gather)
@@ -186,13 +190,7 @@ class OffloadEngine(ZeroEngine):
                 break   # the device tier is full of pinned copies: fetch on demand instead
         nxt = self.prefetcher.upcoming(1)
         if nxt:
-            u = self.units[nxt[0]]
-            if u.state is UnitState.SHARDED and self.live_bytes() + _full_bytes(u) <= self.max_live_bytes:
-                self.gather(u, wait=False)
-
-    def live_bytes(self) -> int:
-        """Gathered (full) parameter bytes alive now: what ``prefetch.max_live_bytes`` caps."""
-        return sum(_full_bytes(u) for u in self.units if u.state is not UnitState.SHARDED)
+            self.gather_ahead(self.units[nxt[0]])   # only if it fits prefetch.max_live_bytes
 
     # ------------------------------------------------------------ stage 2/3: gradients to their tier
 
@@ -311,6 +309,7 @@ class OffloadEngine(ZeroEngine):
             "swap_in_wait_s": self.last_optimizer_stats.get("swap_in_wait_s", 0.0),
             "swap_out_wait_s": self.last_optimizer_stats.get("swap_out_wait_s", 0.0),
             "peak_bytes": now["peak"],
+            "live_peak_bytes": self.stats.last_step["live_peak_bytes"],   # gathered params, capped
             "prefetch_trace": self.prefetcher.state.value,
         }
         self.last_optimizer_stats = {}
@@ -345,8 +344,15 @@ class OffloadEngine(ZeroEngine):
                     yield kinds.get(cls, "optimizer"), u.shard.get(cls)
         yield "grads", self._grad_arena
 
+    def on_close(self, fn) -> None:
+        """Run ``fn()`` when the engine closes (before the store it may use goes away)."""
+        self._closers.append(fn)
+
     def close(self) -> None:
         super().close()
+        closers, self._closers = self._closers, []
+        for fn in closers:
+            fn()
         if self.store is not None:
             self.store.close()
 
@@ -355,6 +361,3 @@ class OffloadEngine(ZeroEngine):
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
-
-def _full_bytes(unit) -> int:
-    return unit.padded_numel * unit.full_param.element_size()

@@ -14,7 +14,9 @@ class EngineStats:
 
     ``last_step`` keys: ``forward_s``, ``backward_s``, ``step_s``, ``comm_wait_s``,
     ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes per kind),
-    ``steps`` (optimizer steps so far, skipped ones included).
+    ``steps`` (optimizer steps so far, skipped ones included); the engine adds
+    ``live_peak_bytes`` (stage 3: high-water mark of gathered parameter bytes, what
+    ``prefetch.max_live_bytes`` caps) and ``live_cap_releases`` (units released to stay under it).
     """
 
     def __init__(self, counters: CommCounters):
