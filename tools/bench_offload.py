@@ -1,6 +1,6 @@
 """ZeRO-Infinity figures, each beside a baseline measured in the same run.
 
-    python tools/bench_offload.py --json [--dir DIR] [--optim-numel 32M] [--skip-zero3]
+    python tools/bench_offload.py --json [--dir DIR] [--optim-numel 32M] [--skip-zero3] [--only SECTION]
 
 1. ``optimizer``: one optimizer step with fp32 master / m / v and the gradient on NVMe and the
    bf16 parameter written back too (``AdamPipeline``, host budget of ~3 shards), against
@@ -12,13 +12,16 @@
 2. ``adam``: ``CpuAdamW`` with the bf16 copy-back fused in, against ``torch.optim.AdamW(fused=True)``
    followed by the bf16 copy, on the same shard sizes (same threads: torch's intra-op pool).
    Target: torch / ours >= 1.0.
-3. ``zero3``: GPT trained at stage 3 with params, gradients and optimizer on NVMe against the
-   same model fully in memory (stage 3, no offload), one process each (world size 1), median step
-   time after a warm-up step, and each process's peak RSS beside the full training-state size.
-   Target: offloaded / in-memory <= 1.25x. Default model: GPT n_layer=8, n_embd=512, vocab 8192,
-   batch 4x256 tokens (~30M params, 451 MiB of training state): compute-dominated yet a few
-   minutes on a 2-core box. Offloaded budgets: host 96 MiB, device 64 MiB, max_live 64 MiB, so the
-   offloaded run holds ~1/2 of the state's size in its tiers at most.
+3. ``zero3``: GPT trained at stage 3 with params, gradients (``--grads``) and optimizer on NVMe
+   against the same model fully in memory (stage 3, no offload), one process each (world size 1),
+   median step time after a warm-up step, per-phase times, and each process's peak RSS beside the
+   full training-state size. Target: offloaded / in-memory <= 1.25x where compute dominates.
+   Default model: GPT n_layer=8, n_embd=512, vocab 8192 (~30M params, 451 MiB of training state),
+   batch 8x256 tokens: what "compute dominates" means scales with tokens per step, not model size
+   (compute grows with params x tokens, the state's I/O with params only); 2048 tokens keeps a run
+   to about a minute on a 2-core box. ``--batch 4`` halves compute, and the step's I/O (~830 MB,
+   at this disk's bound) then shows more. Offloaded budgets: host 96 MiB, device 64 MiB,
+   max_live 64 MiB, so the offloaded run holds ~1/3 of the state's size in its tiers at most.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ else:
 numel = sum(p.numel() for p in model.parameters())
 conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32"}, "optimizer": {"threads": args["threads"]}}
 if args["offload"]:
-    conf.update(offload={"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
+    conf.update(offload={"optimizer": "nvme", "params": "nvme", "grads": args["grads"]},
                 tiers={"nvme_path": args["dir"], "host_bytes": args["host_bytes"], "device_bytes": args["device_bytes"]},
                 prefetch={"bytes": args["prefetch_bytes"], "max_live_bytes": args["max_live_bytes"]})
 model, opt = infinity.initialize(model, conf, init_fn=(lambda m: gpt_init_(m, cfg)) if args["offload"] else None)
@@ -246,7 +249,9 @@ for step in range(args["steps"] + 1):
     stats.append(engine.stats.last_step)
 if hasattr(engine, "store"):
     engine.close()
-print(json.dumps({"numel": numel, "step_s": sorted(times)[len(times) // 2], "times": times,
+med = lambda xs: sorted(xs)[len(xs) // 2]
+phases = {k: med([s[k] for s in stats[1:]]) for k in ("forward_s", "backward_s", "step_s")}
+print(json.dumps({"numel": numel, "step_s": med(times), "times": times, "phases": phases,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "last_stats": stats[-1], "loss": loss.item()}, default=str))
 """
@@ -256,7 +261,7 @@ def bench_zero3(root: str, args) -> dict:
     gpt = dict(n_layer=args.layers, n_head=8, n_embd=args.width, vocab_size=args.vocab, block_size=args.seq)
     common = dict(gpt=gpt, batch=args.batch, seq=args.seq, steps=args.steps, threads=args.threads, dir=root,
                   host_bytes=args.host_bytes, device_bytes=args.device_bytes, prefetch_bytes=args.prefetch_bytes,
-                  max_live_bytes=args.max_live_bytes)
+                  max_live_bytes=args.max_live_bytes, grads=args.grads)
     res = {}
     for name, offload in (("in_memory", False), ("nvme", True)):
         # glibc's adaptive mmap threshold otherwise keeps freed unit-sized buffers in the heap, and
@@ -272,6 +277,8 @@ def bench_zero3(root: str, args) -> dict:
         "model": gpt, "batch": args.batch, "seq": args.seq, "steps": args.steps, "numel": res["nvme"]["numel"],
         "in_memory_step_s": res["in_memory"]["step_s"], "nvme_step_s": res["nvme"]["step_s"],
         "nvme_over_in_memory": res["nvme"]["step_s"] / res["in_memory"]["step_s"], "target_ratio": 1.25,
+        "grads": args.grads,
+        "in_memory_phases_s": res["in_memory"]["phases"], "nvme_phases_s": res["nvme"]["phases"],
         "training_state_bytes": state,
         "in_memory_peak_rss_bytes": res["in_memory"]["peak_rss_bytes"],
         "nvme_peak_rss_bytes": res["nvme"]["peak_rss_bytes"],
@@ -291,26 +298,31 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=default_adam_threads())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-zero3", action="store_true")
+    ap.add_argument("--only", choices=("adam", "optimizer", "zero3"), help="run one section")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--host-bytes", default="96MiB")
     ap.add_argument("--device-bytes", default="64MiB")
     ap.add_argument("--prefetch-bytes", default="32MiB")
     ap.add_argument("--max-live-bytes", default="64MiB")
+    ap.add_argument("--grads", choices=("host", "nvme"), default="nvme", help="ZeRO-3 bench: where gradients live")
     args = ap.parse_args(argv)
     base = args.dir or ("/work" if os.path.isdir("/work") else None)
     root = tempfile.mkdtemp(prefix="bench_offload_", dir=base)
     torch.set_num_threads(args.threads)
     try:
-        result = {"threads": args.threads,
-                  "adam": bench_adam(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
-                                     args.threads, args.reps),
-                  "optimizer": bench_optimizer(root, args.optim_numel, args.shard_numel, args.threads, args.reps)}
-        if not args.skip_zero3:
+        want = lambda name: args.only in (None, name)  # noqa: E731
+        result = {"threads": args.threads}
+        if want("adam"):
+            result["adam"] = bench_adam(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
+                                        args.threads, args.reps)
+        if want("optimizer"):
+            result["optimizer"] = bench_optimizer(root, args.optim_numel, args.shard_numel, args.threads, args.reps)
+        if want("zero3") and not args.skip_zero3:
             result["zero3"] = bench_zero3(root, args)
         result["peak_rss_bytes_bench"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     finally:
