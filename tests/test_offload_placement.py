@@ -1,13 +1,10 @@
-"""Placement from config, and the offload engine's refusals (property tests over every accepted config)."""
+"""Placement from config (property tests over every accepted config) and store keys."""
 
 from __future__ import annotations
 
-import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import infinity
 from infinity.config import Config, ConfigError
 from infinity.store import Tier
 from infinity.zero.placement import Placement, store_key

@@ -31,7 +31,6 @@ import time
 
 import torch
 
-from infinity.config import ConfigError
 from infinity.optim.offload_pipeline import ShardJob
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import BudgetError, TensorStore, Tier
