@@ -206,6 +206,12 @@ class OptimizerConfig:
     eps: float = _f(1.0e-8, _float(0.0, lo_open=True), "AdamW epsilon")
     weight_decay: float = _f(0.1, _float(0.0), "decoupled weight decay")
     threads: Any = _f("auto", _int_or_auto(1), "CPU Adam threads; auto = cores / local ranks")
+    overlap_backward: bool = _f(
+        False, _bool, "run each unit's Adam update (swap-in, CPU Adam, write-back) as soon as its gradient "
+        "shard is final during backward, instead of all at step(): hides the step's I/O behind backward. Needs "
+        "zero.stage >= 2 and offload.optimizer host or nvme; not with fp16 (the overflow check needs every "
+        "gradient first); one backward per step (no gradient accumulation) and no clip_grad_norm_; "
+        "hyper-parameters (lr) are read when the backward starts updating")
 
 
 @dataclass(frozen=True)
@@ -357,5 +363,19 @@ class Config:
         if off.optimizer != "none" and self.zero.stage < 1:
             raise ConfigError(
                 "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
+        if self.optimizer.overlap_backward:
+            self._check_overlap_backward()
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
+
+    def _check_overlap_backward(self):
+        why = None
+        if self.zero.stage < 2:
+            why = f"needs zero.stage >= 2 (a unit's gradient shard is final during backward), got {self.zero.stage}"
+        elif self.offload.optimizer == "none":
+            why = "needs offload.optimizer host or nvme (the update runs as the offloaded CPU Adam)"
+        elif self.precision.param_dtype == "fp16":
+            why = ("not with precision.param_dtype fp16: the overflow check needs every gradient before any "
+                   "update; use bf16")
+        if why is not None:
+            raise ConfigError(f"optimizer.overlap_backward: {why}")

@@ -66,8 +66,10 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
         engine = OffloadEngine(model, cfg, groups, device=device, init_fn=init_fn)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = o.threads if o.threads != "auto" else default_adam_threads(local_ranks)
-        optimizer = OffloadAdamW(groups, engine, threads=threads, **hyper)
+        optimizer = OffloadAdamW(groups, engine, threads=threads, overlap_backward=o.overlap_backward, **hyper)
         engine.on_close(optimizer.close)
+        if o.overlap_backward:
+            engine.overlap_with(optimizer.begin_overlapped_step)   # backward starts each step's updates
     else:
         if init_fn is not None:
             raise ValueError("initialize: init_fn is only used for a model built on the meta device")

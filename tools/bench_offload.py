@@ -228,7 +228,8 @@ if args["offload"]:
 else:
     model = GPT(cfg)
 numel = sum(p.numel() for p in model.parameters())
-conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32"}, "optimizer": {"threads": args["threads"]}}
+conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32"},
+        "optimizer": {"threads": args["threads"], "overlap_backward": args["offload"] and args["overlap"]}}
 if args["offload"]:
     conf.update(offload={"optimizer": "nvme", "params": "nvme", "grads": args["grads"]},
                 tiers={"nvme_path": args["dir"], "host_bytes": args["host_bytes"], "device_bytes": args["device_bytes"]},
@@ -261,7 +262,7 @@ def bench_zero3(root: str, args) -> dict:
     gpt = dict(n_layer=args.layers, n_head=8, n_embd=args.width, vocab_size=args.vocab, block_size=args.seq)
     common = dict(gpt=gpt, batch=args.batch, seq=args.seq, steps=args.steps, threads=args.threads, dir=root,
                   host_bytes=args.host_bytes, device_bytes=args.device_bytes, prefetch_bytes=args.prefetch_bytes,
-                  max_live_bytes=args.max_live_bytes, grads=args.grads)
+                  max_live_bytes=args.max_live_bytes, grads=args.grads, overlap=args.overlap)
     res = {}
     for name, offload in (("in_memory", False), ("nvme", True)):
         # glibc's adaptive mmap threshold otherwise keeps freed unit-sized buffers in the heap, and
@@ -277,7 +278,7 @@ def bench_zero3(root: str, args) -> dict:
         "model": gpt, "batch": args.batch, "seq": args.seq, "steps": args.steps, "numel": res["nvme"]["numel"],
         "in_memory_step_s": res["in_memory"]["step_s"], "nvme_step_s": res["nvme"]["step_s"],
         "nvme_over_in_memory": res["nvme"]["step_s"] / res["in_memory"]["step_s"], "target_ratio": 1.25,
-        "grads": args.grads,
+        "grads": args.grads, "overlap_backward": args.overlap,
         "in_memory_phases_s": res["in_memory"]["phases"], "nvme_phases_s": res["nvme"]["phases"],
         "training_state_bytes": state,
         "in_memory_peak_rss_bytes": res["in_memory"]["peak_rss_bytes"],
@@ -310,6 +311,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch-bytes", default="32MiB")
     ap.add_argument("--max-live-bytes", default="64MiB")
     ap.add_argument("--grads", choices=("host", "nvme"), default="nvme", help="ZeRO-3 bench: where gradients live")
+    ap.add_argument("--overlap", action="store_true",
+                    help="ZeRO-3 bench: the NVMe run with optimizer.overlap_backward (updates during backward)")
     args = ap.parse_args(argv)
     base = args.dir or ("/work" if os.path.isdir("/work") else None)
     root = tempfile.mkdtemp(prefix="bench_offload_", dir=base)

@@ -12,9 +12,16 @@ same pass.
 The source (the offload engine) provides ``store``, ``tracer``,
 ``shard_jobs()`` and ``record_optimizer_stats(stats)`` besides the
 :class:`ShardSource` protocol; this module knows nothing of ZeRO.
+
+With ``overlap_backward`` the step is turned inside out: the source calls
+:meth:`OffloadAdamW.begin_overlapped_step` when backward makes the first shard's
+gradient final (the step is counted and the pipeline started there) and submits
+each shard's job as its gradient becomes final; ``step()`` waits for the rest.
 """
 
 from __future__ import annotations
+
+import torch
 
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.offload_pipeline import AdamPipeline
@@ -24,17 +31,52 @@ __all__ = ["OffloadAdamW"]
 
 
 class OffloadAdamW(ShardedAdamW):
-    """``threads``: CPU Adam worker threads; ``lookahead``: shards swapped in ahead of the one updated."""
+    """``threads``: CPU Adam worker threads; ``lookahead``: shards swapped in ahead of the one updated;
+    ``overlap_backward``: the source submits each shard's job during backward, after calling
+    :meth:`begin_overlapped_step`, and :meth:`step` only finishes what backward started."""
 
-    def __init__(self, params, source, threads: int, lookahead: int = 2, **hyper):
+    def __init__(self, params, source, threads: int, lookahead: int = 2, overlap_backward: bool = False,
+                 **hyper):
         super().__init__(params, source, **hyper)
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(source.store, self.adam, lookahead=lookahead, tracer=source.tracer)
+        self.overlap_backward = overlap_backward
 
     def close(self) -> None:
-        """Stop the worker threads (CPU Adam's pool, the pipeline's device copier)."""
-        self.adam.close()
+        """Stop the worker threads (a step still running, CPU Adam's pool, the pipeline's device copier)."""
         self.pipeline.close()
+        self.adam.close()
+
+    def begin_overlapped_step(self) -> AdamPipeline:
+        """The source's first final gradient shard of a step (during backward): count the step, fix its
+        hyper-parameters (as they are now: an lr set later applies to the next step) and start the
+        pipeline; returns it, for the source to ``submit`` each shard's job."""
+        if not self.overlap_backward:
+            raise RuntimeError("OffloadAdamW.begin_overlapped_step: built with overlap_backward=False")
+        for i in range(len(self.param_groups)):
+            self.group_steps[i] += 1
+        hyper = [self._hyper(i) for i in range(len(self.param_groups))]
+        self.pipeline.start(hyper.__getitem__)
+        return self.pipeline
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.overlap_backward:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # raises without a backward since the last step; never skips (fp16 is refused with overlap)
+        if not self.source.prepare_step():
+            raise RuntimeError("OffloadAdamW: an overlapped step cannot be skipped; its updates ran already")
+        if not self.pipeline.running:
+            raise RuntimeError("optimizer.step(): optimizer.overlap_backward is on but no update was started "
+                               "in the last backward (was the engine connected by infinity.initialize?)")
+        # group_steps were counted when backward began updating: nothing is counted or updated twice
+        self.source.record_optimizer_stats(self.pipeline.finish())
+        self.source.finish_step()
+        return loss
 
     def _update_shards(self) -> None:
         # the shards stream through the swap-in -> update -> write-back pipeline

@@ -1,7 +1,9 @@
 """The offloaded optimizer step: swap in -> CPU Adam -> swap out, overlapped across shards.
 
-The step walks the shard jobs in order. While :class:`CpuAdamW` updates shard
-``i`` on the compute thread, a swap-in thread is already bringing shard
+The step walks the shard jobs in order, as a list (``run``) or as they come
+(``start`` / ``submit`` / ``finish``: the jobs of an update overlapped with
+backward, which keeps the caller's thread busy). While :class:`CpuAdamW`
+updates shard ``i`` on the compute thread, a swap-in thread is already bringing shard
 ``i+1``'s master / moments / gradient / parameter to host memory, and shard
 ``i-1``'s updated states and new low-precision parameter are being written home
 by the store's I/O threads — all three at once. Nothing on that path writes
@@ -14,7 +16,8 @@ only the optimizer offloaded) cross to the host the same way, off the compute
 thread: the swap-in thread starts shard ``i+1``'s device->host gradient copy on
 a side stream into a pinned buffer, and the updated parameter goes back
 host->device on that stream while Adam moves on to the next shard; its
-``on_done`` (the all-gather) runs, in shard order, once its copy has landed.
+``on_done`` (the all-gather) runs, in shard order, once its copy has landed, on
+the caller's thread (in ``finish``): collectives never come from a pipeline thread.
 
 Host memory is bounded twice: ``lookahead`` shards are swapped in ahead of the
 one being updated, and the store's host budget caps every buffer (a swap-in
@@ -48,6 +51,7 @@ __all__ = ["ShardJob", "AdamPipeline"]
 
 _FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad", "param_out")
 _WRITTEN = ("master", "exp_avg", "exp_avg_sq", "param_out")   # the fields Adam changes
+_END = object()   # the compute thread's last word on the landed-params queue
 
 
 @dataclass
@@ -57,9 +61,9 @@ class ShardJob:
     ``param_out`` is the compute-precision parameter written in the same pass
     (None: the fp32 master *is* the parameter). ``ranges`` are
     ``(group_index, lo, hi)`` element ranges with their own hyper-parameters.
-    ``on_done(param)`` runs on the compute thread right after the update with the
-    updated parameter (e.g. to launch its all-gather) — before any write-back of
-    it completes, which is fine: the in-memory copy is already final.
+    ``on_done(param)`` runs on the caller's thread in ``finish``, in job order, once the update
+    landed, with the updated parameter (e.g. to launch its all-gather) — before any write-back
+    of it completes, which is fine: the in-memory copy is already final.
     ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
     """
 
@@ -73,6 +77,8 @@ class ShardJob:
     on_done: Callable | None = None
     grad_scale: float = 1.0
     _keys: list = field(default_factory=list, repr=False)
+    _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
+    _submitted_s: float = field(default=0.0, repr=False)
 
 
 @dataclass
@@ -84,7 +90,14 @@ class _Staged:
 
 
 class AdamPipeline:
-    """Runs :meth:`run` once per optimizer step over a list of :class:`ShardJob`.
+    """Runs one optimizer step at a time over :class:`ShardJob` s.
+
+    Two forms, one code path: ``run(jobs, hyper)`` updates a known list (the step
+    after backward); the streaming form ``start(hyper)``, ``submit(job)`` as each
+    job becomes ready, ``finish()`` updates shards while the caller is still busy
+    (``optimizer.overlap_backward``: during backward). Either way the swap-in and
+    the Adam compute run on two pipeline threads; ``run`` / ``finish`` wait for
+    them, re-raise their error and return the step's stats.
 
     ``copy_cpu_tensors`` makes in-memory CPU tensors take the device path (copied through the
     :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
@@ -97,9 +110,23 @@ class AdamPipeline:
         self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
         self.copy_cpu_tensors = copy_cpu_tensors
         self._copier: DeviceCopier | None = None
+        self._copier_lock = threading.Lock()   # made on first use, from either pipeline thread
+        self._threads: list = []     # the running step's swap-in and compute threads; empty when idle
+        self._progress = threading.Condition()
+        self._issued = self._released = 0
+        self._held: dict = {}
+        self._stop = threading.Event()
+        self.updates_started = 0     # shards whose update has begun in the running (or last) step
         self.last_stats: dict = {}
 
+    @property
+    def running(self) -> bool:
+        """A step was started and not yet finished or aborted."""
+        return bool(self._threads)
+
     def close(self) -> None:
+        """Stop a step still running (its remaining jobs are dropped) and the device copier."""
+        self.abort()
         if self._copier is not None:
             self._copier.close()
             self._copier = None
@@ -107,76 +134,172 @@ class AdamPipeline:
     def run(self, jobs: list, hyper: Callable[[int], dict]) -> dict:
         """Update every job; ``hyper(group_index)`` gives ``step, lr, betas, eps, weight_decay``.
 
-        Returns ``{"adam_s", "swap_in_wait_s", "swap_out_wait_s", "shards"}``.
+        Returns ``{"adam_s", "swap_in_wait_s", "swap_out_wait_s", "shards", "update_start_s"}``.
         """
+        self.start(hyper)
+        for job in jobs:
+            self.submit(job)
+        return self.finish()
+
+    def start(self, hyper: Callable[[int], dict]) -> None:
+        """Begin a step whose jobs come one by one through :meth:`submit`."""
+        if self.running:
+            raise RuntimeError("AdamPipeline.start: a step is already running; finish() it first")
+        self._jobs: queue.Queue = queue.Queue()
+        self._landed: queue.Queue = queue.Queue()   # (on_done, param) for the caller's thread, then _END
         ready: queue.Queue = queue.Queue()
         self._progress = threading.Condition()
         self._issued = self._released = 0
-        self._held: dict = {}   # key -> future of its pinned bring, until the compute thread unpins it
-        finished = False
+        self._held = {}   # key -> future of its pinned bring, until the compute thread unpins it
+        self._error: BaseException | None = None
+        self.updates_started = 0
+        self.last_stats = {}
         # the swap-in thread may run ahead by `lookahead` shards; each slot is released when the
         # compute thread is done with a shard (its host copies unpinned, hence evictable once clean)
-        slots = threading.Semaphore(self.lookahead + 1)
-        stop = threading.Event()
-        swap_in = threading.Thread(target=self._swap_in, args=(jobs, ready, slots, stop),
-                                   name="infinity-swap-in", daemon=True)
-        adam_s = wait_s = 0.0
-        writes: list = []
-        # (copy to the device or None, on_done, param) in shard order: on_done runs once the copy landed
-        landing: collections.deque = collections.deque()
-        # CUDA-only: device gradients are final once the kernels queued so far (backward) have run
-        self._grads_ready = _record_event() if torch.cuda.is_available() else None
-        swap_in.start()
+        self._slots = threading.Semaphore(self.lookahead + 1)
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._swap_in, args=(self._jobs, ready), name="infinity-swap-in", daemon=True),
+            threading.Thread(target=self._compute, args=(ready, hyper), name="infinity-adam", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: ShardJob) -> None:
+        """Queue ``job`` (its gradient final) for the running step; returns at once."""
+        if not self.running:
+            raise RuntimeError(f"AdamPipeline.submit {job.name}: no step is running; start() one first")
+        # CUDA-only: a device gradient is final once the kernels queued so far on this stream have run
+        job._grads_ready = _record_event() if torch.cuda.is_available() else None
+        job._submitted_s = time.perf_counter()
+        self._jobs.put(job)
+
+    def finish(self) -> dict:
+        """Wait until every submitted job is updated and written home; the step's stats (see :meth:`run`).
+        Re-raises a pipeline thread's error (the keys it held are unpinned first)."""
+        if not self.running:
+            raise RuntimeError("AdamPipeline.finish: no step is running")
+        self._jobs.put(None)   # end of the step's jobs
+        # on_done (stage 1-2: an all-gather) runs here, on the caller's thread, as params land:
+        # collectives are never issued from a pipeline thread, and they overlap the rest of the step
         try:
-            for job in jobs:
-                t0 = time.perf_counter()
-                item = ready.get()
-                if isinstance(item, BaseException):
-                    raise item
-                tensors = {name: self._result(f) if f is not None else getattr(job, name)
-                           for name, f in item.items()}
-                t1 = time.perf_counter()
-                wait_s += t1 - t0
-                self.tracer.add(f"wait swap-in {job.name}", t0, t1, lane="compute")
-                with self.tracer.span(f"adam {job.name}", lane="compute"):
-                    out, copied = self._update(job, tensors, hyper)
-                t2 = time.perf_counter()
-                adam_s += t2 - t1
-                landing.append((copied, job.on_done, out))
-                # a copy still in flight holds its host buffer: at most `lookahead` more of them
-                self._land(landing, keep=self.lookahead)
-                writes.extend(self._swap_out(job, item))
-                with self._progress:
-                    self._released += 1
-                    self._progress.notify_all()
-                slots.release()
-            self._land(landing, keep=0)
-            t3 = time.perf_counter()
-            for f in writes:
-                self.store.wait(f)   # the step ends with every state home (a crash after it loses nothing)
-            swap_out_wait_s = time.perf_counter() - t3
-            finished = True
-        finally:
-            stop.set()
-            slots.release()   # unblock the swap-in thread if it waits for a slot after an error
-            with self._progress:
-                self._released = len(jobs) + 1   # and if it waits for room
-                self._progress.notify_all()
-            swap_in.join()
-            if not finished:
-                self._unpin_held()
-        self.last_stats = {"adam_s": adam_s, "swap_in_wait_s": wait_s, "swap_out_wait_s": swap_out_wait_s,
-                           "shards": len(jobs)}
+            while (landed := self._landed.get()) is not _END:
+                on_done, param = landed
+                on_done(param)
+        except BaseException:
+            self._halt()
+            self._drain_landed()
+            self._join(drop_error=True)
+            raise
+        self._join()
         return self.last_stats
+
+    def abort(self) -> None:
+        """Stop a running step without updating the jobs not yet begun; errors are dropped. What was
+        updated stays updated (and is written home): a step cannot be undone half-way."""
+        if not self.running:
+            return
+        self._halt()
+        self._jobs.put(None)
+        self._drain_landed()
+        self._join(drop_error=True)
+
+    def wait_for_room(self, attempt: Callable):
+        """``attempt()``, retried while it fails for host room (BudgetError) that this step's pinned
+        shards hold: each retry waits for the compute thread to release one. For callers beside the
+        pipeline (e.g. a stage-3 gather during an overlapped step); a budget too small for both raises."""
+        if not self.running:
+            return attempt()
+        return self._retry_for_room(attempt, lambda: bool(self._held) or self._issued > self._released)
+
+    def _drain_landed(self) -> None:
+        """Skip the on_done calls still to come, up to the compute thread's end marker."""
+        while self._landed.get() is not _END:
+            pass
+
+    def _join(self, drop_error: bool = False) -> None:
+        threads, self._threads = self._threads, []
+        for t in threads:
+            t.join()
+        if self._error is not None:
+            # the swap-in thread has exited: nothing can take a new pin while these are dropped
+            self._unpin_held()
+            error, self._error = self._error, None
+            if not drop_error:
+                raise error
+
+    def _halt(self) -> None:
+        """Unblock both threads for an early exit (error or abort)."""
+        self._stop.set()
+        self._slots.release()   # the swap-in thread may wait for a slot
+        with self._progress:
+            self._progress.notify_all()   # or for room (see _bring_pinned)
 
     # ------------------------------------------------------------ the three stages
 
-    def _swap_in(self, jobs, ready: queue.Queue, slots: threading.Semaphore, stop: threading.Event) -> None:
+    def _compute(self, ready: queue.Queue, hyper) -> None:
+        """Compute thread: update each swapped-in shard in order, start its write-back, land its param."""
+        adam_s = wait_s = 0.0
+        writes: list = []
+        starts: list = []
+        # (copy to the device or None, on_done, param) in shard order: on_done runs once the copy landed
+        landing: collections.deque = collections.deque()
+        try:
+            if self.store.device.type == "cuda" and self.store.device.index is not None:
+                torch.cuda.set_device(self.store.device)   # CUDA-only: the current device is per thread
+            with torch.no_grad():   # grad mode is per thread; the update must not record a graph
+                while True:
+                    t0 = time.perf_counter()
+                    item = ready.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    job, futures = item
+                    tensors = {name: self._result(f) if f is not None else getattr(job, name)
+                               for name, f in futures.items()}
+                    t1 = time.perf_counter()
+                    # time before the job was submitted is the caller's (backward), not a wait for I/O
+                    wait_s += max(0.0, t1 - max(t0, job._submitted_s))
+                    self.tracer.add(f"wait swap-in {job.name}", max(t0, job._submitted_s), t1, lane="compute")
+                    with self._progress:
+                        self.updates_started += 1
+                    starts.append(t1)
+                    with self.tracer.span(f"adam {job.name}", lane="compute"):
+                        out, copied = self._update(job, tensors, hyper)
+                    t2 = time.perf_counter()
+                    adam_s += t2 - t1
+                    landing.append((copied, job.on_done, out))
+                    # a copy still in flight holds its host buffer: at most `lookahead` more of them
+                    self._land(landing, keep=self.lookahead)
+                    writes.extend(self._swap_out(job))
+                    with self._progress:
+                        self._released += 1
+                        self._progress.notify_all()
+                    self._slots.release()
+                self._land(landing, keep=0)
+            t3 = time.perf_counter()
+            for f in writes:
+                self.store.wait(f)   # the step ends with every state home (a crash after it loses nothing)
+            self.last_stats = {"adam_s": adam_s, "swap_in_wait_s": wait_s,
+                               "swap_out_wait_s": time.perf_counter() - t3, "shards": len(starts),
+                               "update_start_s": starts}
+        except BaseException as e:   # noqa: BLE001 - re-raised by finish() on the caller's thread
+            self._error = e
+            self._halt()
+        finally:
+            self._landed.put(_END)
+
+    def _swap_in(self, jobs: queue.Queue, ready: queue.Queue) -> None:
         """Swap-in thread: bring each job's stored fields to host, pinned, in order."""
         try:
-            for job in jobs:
-                slots.acquire()
-                if stop.is_set():
+            while True:
+                job = jobs.get()
+                if job is None:
+                    ready.put(None)
+                    return
+                self._slots.acquire()
+                if self._stop.is_set():
+                    ready.put(None)   # the compute thread may be waiting for an item (abort)
                     return
                 t0 = time.perf_counter()
                 futures, seen = {}, {}
@@ -194,14 +317,14 @@ class AdamPipeline:
                                 self._held[value] = seen[value]
                         futures[name] = seen[value]
                     elif name == "grad" and self._crosses(job, value):
-                        futures[name] = self._stage_to_host(value)
+                        futures[name] = self._stage_to_host(value, job._grads_ready)
                     else:
                         futures[name] = None
                 job._keys = list(seen)
                 with self._progress:
                     self._issued += 1
                 self.tracer.add(f"issue swap-in {job.name}", t0, time.perf_counter(), lane="swap-in")
-                ready.put(futures)
+                ready.put((job, futures))
         except BaseException as e:   # noqa: BLE001 - handed to the compute thread, which raises it
             ready.put(e)
 
@@ -210,14 +333,15 @@ class AdamPipeline:
         on_device = isinstance(value, torch.Tensor) and (value.device.type != "cpu" or self.copy_cpu_tensors)
         return on_device and isinstance(job.master, str)
 
-    def _stage_to_host(self, value: torch.Tensor) -> _Staged:
+    def _stage_to_host(self, value: torch.Tensor, grads_ready) -> _Staged:
         host = _host_buffer(value)
-        return _Staged(host, self._device_copier(value).copy(host, value, after=self._grads_ready))
+        return _Staged(host, self._device_copier(value).copy(host, value, after=grads_ready))
 
     def _device_copier(self, like: torch.Tensor) -> DeviceCopier:
-        if self._copier is None:
-            self._copier = DeviceCopier(like.device)
-        return self._copier
+        with self._copier_lock:
+            if self._copier is None:
+                self._copier = DeviceCopier(like.device)
+            return self._copier
 
     def _result(self, f):
         if isinstance(f, _Staged):
@@ -225,10 +349,10 @@ class AdamPipeline:
             return f.host
         return self.store.wait(f)
 
-    @staticmethod
-    def _land(landing: collections.deque, keep: int) -> None:
-        """Run on_done for the finished params at the head of ``landing``, in order (all ranks launch
-        their all-gathers in the same order); wait for copies while more than ``keep`` are in flight."""
+    def _land(self, landing: collections.deque, keep: int) -> None:
+        """Hand on_done of the finished params at the head of ``landing`` to the caller's thread, in
+        order (all ranks launch their all-gathers in the same order); wait for copies while more
+        than ``keep`` are in flight."""
         while landing:
             copied, on_done, param = landing[0]
             if copied is not None and not copied.done() and len(landing) <= keep:
@@ -237,7 +361,7 @@ class AdamPipeline:
             if copied is not None:
                 copied.result()
             if on_done is not None:
-                on_done(param)
+                self._landed.put((on_done, param))
 
     def _unpin_held(self) -> None:
         """After an error: drop the pins this run still holds, so the keys stay evictable and usable."""
@@ -260,19 +384,29 @@ class AdamPipeline:
         for us are shards the compute thread has not finished: wait for the
         next one to finish and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
+        if overwrite:
+            return self._retry_for_room(lambda: self.store.claim(key, Tier.HOST, pin=True),
+                                        lambda: self._issued > self._released)
+        return self._retry_for_room(lambda: self.store.bring(key, Tier.HOST, pin=True),
+                                    lambda: self._issued > self._released)
+
+    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool]):
+        """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
+        will release a shard, wait for that and try again."""
         while True:
             with self._progress:
                 released = self._released
             try:
-                if overwrite:
-                    return self.store.claim(key, Tier.HOST, pin=True)
-                return self.store.bring(key, Tier.HOST, pin=True)
+                return attempt()
             except BudgetError:
                 with self._progress:
-                    if self._issued == self._released:
+                    if not can_wait():
                         raise
-                    while self._released == released:
+                    # after an error or abort the compute thread releases nothing more
+                    while self._released == released and not self._stop.is_set():
                         self._progress.wait()
+                    if self._stop.is_set():
+                        raise
 
     def _update(self, job: ShardJob, t: dict, hyper) -> tuple:
         """Update one shard; returns the parameter as it lives in its final place, and the future
@@ -284,6 +418,10 @@ class AdamPipeline:
         """
         master = t["master"]
         dev = master.device
+        if dev.type != "cpu" and job._grads_ready is not None:
+            # CUDA-only: this thread's stream is not the one backward ran on; without the wait
+            # the update could read the gradient before its kernels have written it
+            torch.cuda.current_stream(dev).wait_event(job._grads_ready)
         grad = t["grad"] if t["grad"].device == dev else t["grad"].to(dev)
         final = t["param_out"]
         to_device = self._crosses(job, job.param_out)
@@ -313,7 +451,7 @@ class AdamPipeline:
             final.copy_(out)
         return (final if final is not None else master), None
 
-    def _swap_out(self, job: ShardJob, item: dict) -> list:
+    def _swap_out(self, job: ShardJob) -> list:
         """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""
         written = {getattr(job, name) for name in _WRITTEN if isinstance(getattr(job, name), str)}
         futures = []

@@ -20,7 +20,9 @@ What changes, and where:
 - stage-2/3 gradients: each reduce-scattered shard is added into its stored
   copy and written home as it is produced;
 - the optimizer step: :meth:`shard_jobs` hands the pipelined CPU Adam
-  (:mod:`infinity.optim.offload_pipeline`) one job per unit shard;
+  (:mod:`infinity.optim.offload_pipeline`) one job per unit shard; with
+  ``optimizer.overlap_backward`` each unit's job is submitted during backward,
+  as soon as its gradient shard is final (:mod:`infinity.zero.overlap`);
 - per-step stats gain bytes per tier pair, I/O wait, Adam time; a chosen step
   can be traced (:attr:`tracer`, Chrome/Perfetto JSON).
 """
@@ -37,6 +39,7 @@ from infinity.store import BudgetError, TensorStore, Tier
 from infinity.trace import Tracer
 from infinity.zero import materialize as meta
 from infinity.zero.engine import _MAX_INFLIGHT, ZeroEngine
+from infinity.zero.overlap import OverlappedStep
 from infinity.zero.placement import Placement
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
 from infinity.zero.units import TensorClass, UnitState
@@ -62,6 +65,9 @@ class OffloadEngine(ZeroEngine):
         # step and CPU Adam applies it to each chunk as it reads it (saves a read + write of every shard)
         self._grad_multiplier = 1.0
         self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: stored gradients seen non-finite
+        # optimizer.overlap_backward: units are updated during backward (see infinity.zero.overlap)
+        self.overlap = OverlappedStep(0, self._shard_job) if config.optimizer.overlap_backward else None
+        self._flushing = False   # inside _end_backward: final units wait for the end of the flush
         try:
             super().__init__(model, config, param_groups, collectives=collectives, device=device)
         except BaseException:
@@ -69,6 +75,8 @@ class OffloadEngine(ZeroEngine):
                 self.store.close()   # removes the swap file a half-built engine would leave behind
             raise
         self.tracer.rank = self.rank
+        if self.overlap is not None:
+            self.overlap.rank = self.rank
         unit_bytes = {u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units}
         self.prefetcher = TracePrefetcher(unit_bytes, config.prefetch.bytes)
         self._store_mark = self._store_counters()
@@ -154,6 +162,8 @@ class OffloadEngine(ZeroEngine):
     # ------------------------------------------------------------ stage 3: gather from the store
 
     def gather(self, unit, wait: bool = True) -> None:
+        if self.overlap is not None and unit.state is UnitState.SHARDED:
+            self.overlap.check_gather(unit)
         key = unit.shard.key(TensorClass.PARAM) if unit.shard is not None else None
         if key is None:
             return super().gather(unit, wait)
@@ -161,7 +171,7 @@ class OffloadEngine(ZeroEngine):
             self.lent.settle()   # a checkpoint load may have written the shard through get()
             # pinned: the all-gather reads this copy asynchronously; an eviction meanwhile would
             # hand its budget to another key while the collective still reads it
-            src = self.store.wait(self.store.bring(key, Tier.DEVICE, pin=True))
+            src = self.store.wait(self._with_room(lambda: self.store.bring(key, Tier.DEVICE, pin=True)))
             unit.transition(UnitState.GATHERING)
             self.live.gathering(unit.index)
             full = unit.full_param
@@ -183,30 +193,74 @@ class OffloadEngine(ZeroEngine):
         if self.stage != 3 or unit.shard.key(TensorClass.PARAM) is None:
             return super().prefetch_after(unit, order)
         for index in self.prefetcher.on_use(unit.index):
+            if self.overlap is not None and self.overlap.updating(index):
+                continue   # Adam is writing its shard (a trace from another step's order): no use this step
             try:
                 self.store.bring(self.units[index].shard.key(TensorClass.PARAM), Tier.DEVICE)
             except BudgetError:
                 break   # the device tier is full of pinned copies: fetch on demand instead
         nxt = self.prefetcher.upcoming(1)
-        if nxt:
+        if nxt and not (self.overlap is not None and self.overlap.updating(nxt[0])):
             self.gather_ahead(self.units[nxt[0]])   # only if it fits prefetch.max_live_bytes
 
     # ------------------------------------------------------------ stage 2/3: gradients to their tier
 
     def _accumulate_reduced(self, unit, out: torch.Tensor) -> None:
+        self._fold_reduced(unit, out)
+        if self.overlap is not None:
+            # one backward per step: the shard is final now, so the unit's update may start
+            self.overlap.unit_final(unit, during_flush=self._flushing)
+
+    def _fold_reduced(self, unit, out: torch.Tensor) -> None:
         if unit.shard.key(TensorClass.GRAD) is None:
             return super()._accumulate_reduced(unit, out)
         if self._shard_grad_zeroed[unit.index]:
             # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
             # (zero_grad is lazy, saving a read and a write of every stored shard per step)
             self._note_non_finite(out)
-            self._grad_writes.append(unit.shard.replace(TensorClass.GRAD, out))
+            self._grad_writes.append(self._with_room(lambda: self._replace_grad(unit, out)))
             self._shard_grad_zeroed[unit.index] = False
         else:   # accumulation: pinned + marked dirty in the store, written home in the background
             with unit.shard.update(TensorClass.GRAD) as g:
                 g.add_(out.to(g.device))
                 self._note_non_finite(g)   # the sum itself may overflow in fp16
         unit.full_grad = None
+
+    def _replace_grad(self, unit, out: torch.Tensor):
+        """``shard.replace`` that may be retried: a register refused for room left the key released."""
+        key = unit.shard.key(TensorClass.GRAD)
+        if key in self.store:
+            return unit.shard.replace(TensorClass.GRAD, out)
+        return self.store.register(key, out, home=self.placement.home(TensorClass.GRAD), copy_async=True)
+
+    def _with_room(self, attempt):
+        """A store operation on this thread; during an overlapped step it may wait for host room the
+        update holds pinned (without overlap nothing else pins host copies while backward runs)."""
+        return attempt() if self.overlap is None else self.overlap.wait_for_room(attempt)
+
+    # ------------------------------------------------------------ optimizer.overlap_backward
+
+    def overlap_with(self, begin_step) -> None:
+        """The optimizer's ``begin_step()``: counts the step, starts its pipeline and returns it."""
+        if self.overlap is None:
+            raise RuntimeError("overlap_with: optimizer.overlap_backward is off in this engine's config")
+        self.overlap.connect(begin_step)
+
+    def enter_backward(self) -> None:
+        if self.overlap is not None and not self._in_backward:
+            self.overlap.check_new_backward()   # before any gradient of this backward is written
+        super().enter_backward()
+
+    def _end_backward(self) -> None:
+        if self.overlap is None:
+            return super()._end_backward()
+        # units finished by the flush are submitted after it (stage 3: the root is released by then)
+        self._flushing = True
+        try:
+            super()._end_backward()
+        finally:
+            self._flushing = False
+        self.overlap.end_backward()
 
     def _note_non_finite(self, grad: torch.Tensor) -> None:
         """fp16: remember an overflow while the shard is in memory, so the step never re-reads it to look."""
@@ -231,6 +285,10 @@ class OffloadEngine(ZeroEngine):
         self._inf_flag.zero_()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        if self.overlap is not None:
+            raise RuntimeError(f"clip_grad_norm_() on rank {self.rank} with optimizer.overlap_backward: the "
+                               "update runs during backward, but clipping needs every gradient before any "
+                               "update; set overlap_backward: false to clip")
         if not self._stored_grads():
             return super().clip_grad_norm_(max_norm)
         if self._finish_grads():
@@ -252,26 +310,25 @@ class OffloadEngine(ZeroEngine):
         """One :class:`ShardJob` per unit, in unit order (stages 1-2: each unit's all-gather starts
         as soon as its update is done, overlapping the rest of the step)."""
         self._settle_grad_writes()
-        self.lent.settle()
-        jobs = []
-        for unit in self.units:
-            s = unit.shard
-            fields = {}
-            for cls in (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ, TensorClass.GRAD):
-                fields[cls] = s.key(cls) or s.get(cls)
-            if s.is_alias(TensorClass.MASTER, TensorClass.PARAM):
-                param_out = None
-            else:
-                param_out = s.key(TensorClass.PARAM) or s.get(TensorClass.PARAM)
-            on_done = None
-            if self.stage in (1, 2):
-                on_done = self._launch_post_step_gather(unit)
-            jobs.append(ShardJob(unit.name, fields[TensorClass.MASTER], fields[TensorClass.EXP_AVG],
-                                 fields[TensorClass.EXP_AVG_SQ], fields[TensorClass.GRAD], param_out,
-                                 unit.shard_group_ranges(self.shard_rank), on_done,
-                                 grad_scale=self._grad_multiplier))
+        jobs = [self._shard_job(unit) for unit in self.units]
         self._post_step_gathers.clear()
         return jobs
+
+    def _shard_job(self, unit) -> ShardJob:
+        """``unit``'s job; its gradient shard must be final (and this rank's lent copies settled)."""
+        self.lent.settle()
+        s = unit.shard
+        fields = {}
+        for cls in (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ, TensorClass.GRAD):
+            fields[cls] = s.key(cls) or s.get(cls)
+        if s.is_alias(TensorClass.MASTER, TensorClass.PARAM):
+            param_out = None
+        else:
+            param_out = s.key(TensorClass.PARAM) or s.get(TensorClass.PARAM)
+        on_done = self._launch_post_step_gather(unit) if self.stage in (1, 2) else None
+        return ShardJob(unit.name, fields[TensorClass.MASTER], fields[TensorClass.EXP_AVG],
+                        fields[TensorClass.EXP_AVG_SQ], fields[TensorClass.GRAD], param_out,
+                        unit.shard_group_ranges(self.shard_rank), on_done, grad_scale=self._grad_multiplier)
 
     def _settle_grad_writes(self) -> None:
         """Surface a failed gradient write now (a bring would wait for it anyway, but not raise it)."""
@@ -292,6 +349,11 @@ class OffloadEngine(ZeroEngine):
     def record_optimizer_stats(self, stats: dict) -> None:
         self.last_optimizer_stats = dict(stats)
 
+    def finish_step(self) -> None:
+        if self.overlap is not None:
+            self._settle_grad_writes()   # the pipeline read them already; surface a failed write
+        super().finish_step()
+
     def _after_step(self) -> None:
         self._grad_multiplier = 1.0
         # every rank keeps or re-records the trace together: a rank prefetching along a dropped
@@ -310,7 +372,10 @@ class OffloadEngine(ZeroEngine):
             "peak_bytes": now["peak"],
             "live_peak_bytes": self.stats.last_step["live_peak_bytes"],   # gathered params, capped
             "prefetch_trace": self.prefetcher.state.value,
+            "overlapped": False,
         }
+        if self.overlap is not None:
+            self.stats.last_step["offload"].update(self.overlap.end_step(self.last_optimizer_stats))
         self.last_optimizer_stats = {}
         self._store_mark = now
         self.tracer.end_step()

@@ -1,0 +1,140 @@
+"""``optimizer.overlap_backward``: each unit's optimizer update starts during backward.
+
+At stage >= 2 a unit's gradient shard is final once its reduce-scatter has been
+folded into it (:meth:`OffloadEngine._accumulate_reduced`), provided the step has
+a single backward. From then on nothing in that backward reads or writes the
+unit's shards, so its Adam update (swap-in of master / moments / gradient, CPU
+Adam, write-back) can run on the pipeline threads while backward goes on with
+the units before it. On the NVMe path the step is mostly disk I/O and the disk
+is idle during backward: the overlap hides it. ``optimizer.step()`` then only
+waits for the last updates and (stage 2) all-gathers the new parameters.
+
+What it costs: one backward per step (gradient accumulation would need the
+update to wait for the last micro-batch), no ``clip_grad_norm_`` and no fp16
+(both need every gradient before any update), and hyper-parameters are fixed
+when the first unit is submitted (set the lr before ``backward()``). A backward
+that raises part-way leaves the units already updated updated: reload a
+checkpoint after it.
+
+Order of submission: units whose shard is final while backward runs are
+submitted at once; the root unit (stage 3: gathered for the whole backward) and
+units reduced by the end-of-backward flush are submitted after it, in unit
+order. The order is the same on every rank (it follows the reduce-scatters), so
+the stage-2 all-gathers that the pipeline's ``on_done`` launches, on the
+caller's thread in ``finish()``, match across ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Callable
+
+__all__ = ["OverlapPhase", "OverlappedStep"]
+
+SECOND_BACKWARD = ("optimizer.overlap_backward applies the update in backward: one backward per step; "
+                   "use overlap_backward: false for gradient accumulation")
+
+
+class OverlapPhase(enum.Enum):
+    IDLE = "idle"                  # no unit submitted since the last step
+    UPDATING = "updating"          # backward runs; final units are being updated
+    AWAITING_STEP = "awaiting"     # backward done, every unit submitted; optimizer.step() finishes
+
+
+_NEXT = {OverlapPhase.IDLE: {OverlapPhase.UPDATING},
+         OverlapPhase.UPDATING: {OverlapPhase.AWAITING_STEP},
+         OverlapPhase.AWAITING_STEP: {OverlapPhase.IDLE}}
+
+
+class OverlappedStep:
+    """The engine side of an overlapped step: which units are final, when the pipeline starts.
+
+    ``build_job(unit)`` makes one unit's :class:`~infinity.optim.offload_pipeline.ShardJob`;
+    :meth:`connect` takes the optimizer's ``begin_step()``, which counts the step, starts
+    the pipeline and returns it (an :class:`~infinity.optim.offload_pipeline.AdamPipeline`).
+    """
+
+    def __init__(self, rank: int, build_job: Callable):
+        self.rank = rank
+        self.build_job = build_job
+        self.begin_step: Callable | None = None
+        self.pipeline = None               # the optimizer's, once a step has begun
+        self.phase = OverlapPhase.IDLE
+        self._deferred: list = []          # units final now, submitted at the end of backward
+        self._submitted: set = set()       # unit indices whose update this step has begun
+        self._backward_end_s: float | None = None
+        self._submitted_in_backward = 0
+
+    def connect(self, begin_step: Callable) -> None:
+        self.begin_step = begin_step
+
+    def _go(self, phase: OverlapPhase) -> None:
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"overlapped step on rank {self.rank}: {self.phase.value} -> {phase.value}")
+        self.phase = phase
+
+    # ------------------------------------------------------------ driven by the engine
+
+    def check_new_backward(self) -> None:
+        """A backward is starting: refused while the last one's update waits for step()."""
+        if self.phase is OverlapPhase.AWAITING_STEP:
+            raise RuntimeError(f"backward() on rank {self.rank} before optimizer.step(): {SECOND_BACKWARD}")
+
+    def updating(self, index: int) -> bool:
+        """Whether unit ``index``'s update has begun this step (it is not to be prefetched)."""
+        return index in self._submitted
+
+    def check_gather(self, unit) -> None:
+        """Stage 3: a unit whose update is running must not be gathered (it would read a shard
+        Adam is writing): that is a forward (or ``gathered()``) before optimizer.step()."""
+        if unit.index in self._submitted:
+            raise RuntimeError(f"forward/backward on rank {self.rank} gathers unit {unit.name!r} before "
+                               f"optimizer.step(), while its update runs: {SECOND_BACKWARD}")
+
+    def unit_final(self, unit, during_flush: bool) -> None:
+        """``unit``'s gradient shard is final for this step: update it now, or at the end of backward."""
+        if unit.is_root or during_flush:
+            self._deferred.append(unit)
+        else:
+            self._submit(unit)
+            self._submitted_in_backward += 1
+
+    def end_backward(self) -> None:
+        """Backward is done (every reduction folded in): submit the remaining units, in unit order."""
+        self._backward_end_s = time.perf_counter()
+        deferred, self._deferred = sorted(self._deferred, key=lambda u: u.index), []
+        for unit in deferred:
+            self._submit(unit)
+        self._go(OverlapPhase.AWAITING_STEP)
+
+    def _submit(self, unit) -> None:
+        if self.phase is OverlapPhase.IDLE:
+            if self.begin_step is None:
+                raise RuntimeError(f"optimizer.overlap_backward on rank {self.rank}: no optimizer is connected "
+                                   "to the engine; build both with infinity.initialize")
+            self.pipeline = self.begin_step()
+            self._go(OverlapPhase.UPDATING)
+        self._submitted.add(unit.index)
+        self.pipeline.submit(self.build_job(unit))
+
+    def wait_for_room(self, attempt: Callable):
+        """``attempt()`` (a store operation on the caller's thread), waiting out host room the running
+        update holds pinned (see AdamPipeline.wait_for_room)."""
+        if self.pipeline is None:
+            return attempt()
+        return self.pipeline.wait_for_room(attempt)
+
+    def end_step(self, optimizer_stats: dict) -> dict:
+        """The step finished: back to idle; the step's overlap stats."""
+        starts = optimizer_stats.get("update_start_s", [])
+        end = self._backward_end_s
+        stats = {"overlapped": True,
+                 "submitted_in_backward": self._submitted_in_backward,
+                 # updates the pipeline began while backward still ran
+                 "updates_before_backward_end": sum(1 for t in starts if end is not None and t < end)}
+        if self.phase is OverlapPhase.AWAITING_STEP:
+            self._go(OverlapPhase.IDLE)
+        self._backward_end_s, self._submitted_in_backward = None, 0
+        self._submitted = set()
+        return stats
