@@ -200,6 +200,16 @@ def test_bad_arguments_one_line_exit_2(argv, message, capsys, tmp_path, monkeypa
     assert not (tmp_path / "infinity_swap").exists()   # nothing started, nothing made
 
 
+def test_overlap_backward_with_accumulation_is_refused(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    conf = tmp_path / "overlap.yaml"
+    conf.write_text("zero: {stage: 3}\noptimizer: {overlap_backward: true}\noffload: {optimizer: host}\n")
+    rc = main(["train", *TINY, "--config", str(conf), "--accum", "2"])
+    _, err = capsys.readouterr()
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--accum 2 with optimizer.overlap_backward: the update runs in backward" in err
+
+
 def test_unwritable_swap_dir(capsys, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")   # as root chmod does not stop writes; a path under a regular file always fails

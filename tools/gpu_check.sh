@@ -3,7 +3,7 @@
 #   1. the CUDA-marked tests (pytest -m cuda): pinned buffers, device-tier gathers, device grads -> CPU Adam;
 #   2. infinity profile --quick: this machine's memcpy / NVMe / CPU Adam / collective bandwidths;
 #   3. one offloaded training run (ZeRO-3, params + optimizer on NVMe, grads on host), a few steps,
-#      with its per-step stats and a Chrome trace of step 1.
+#      with its per-step stats and a Chrome trace of step 1; then the same with optimizer.overlap_backward.
 # Logs go to $OUT when set (else ./gpu_check_out). Exit status: non-zero if any part failed.
 set -u
 cd "$(dirname "$0")/.."
@@ -41,5 +41,9 @@ YAML
 run offload_train 120 "$PY" -m infinity.cli train --config "$SWAP/offload.yaml" --model 125m --steps 3 \
     --swap-dir "$SWAP/swap" --batch-size 4 --seq-len 512 --metrics "$LOG_DIR/offload_metrics.jsonl" --trace "$LOG_DIR/offload_trace.json" \
     --trace-step 1 --no-progress --json
+# the same step with each unit's update started in backward (optimizer.overlap_backward)
+sed 's/^zero: {stage: 3}$/zero: {stage: 3}\noptimizer: {overlap_backward: true}/' "$SWAP/offload.yaml" >"$SWAP/overlap.yaml"
+run offload_train_overlap 120 "$PY" -m infinity.cli train --config "$SWAP/overlap.yaml" --model 125m --steps 3 \
+    --swap-dir "$SWAP/swap" --batch-size 4 --seq-len 512 --metrics "$LOG_DIR/overlap_metrics.jsonl" --no-progress --json
 echo "overall: $([ $status -eq 0 ] && echo PASS || echo FAIL)" | tee -a "$LOG_DIR/summary.log"
 exit $status

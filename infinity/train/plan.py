@@ -120,6 +120,9 @@ def resolve(options: TrainOptions, world_size: int) -> Plan:
         corpus_bytes = None if o.corpus_bytes is None else parse_size(o.corpus_bytes, "--corpus-bytes")
     except ConfigError as e:
         raise TrainError(str(e)) from None
+    if config.optimizer.overlap_backward and accum > 1:
+        raise TrainError(f"--accum {accum} with optimizer.overlap_backward: the update runs in backward, one "
+                         "backward per step; use --accum 1 or overlap_backward: false")
     if corpus_bytes is not None and corpus_bytes < seq_len + 1:
         raise TrainError(f"--corpus-bytes {corpus_bytes} is too small for --seq-len {seq_len} "
                          f"(needs at least {seq_len + 1} bytes)")
