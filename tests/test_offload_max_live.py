@@ -348,8 +348,8 @@ def test_engine_never_exceeds_the_cap_in_any_order():
                 engine.release(unit)
                 in_use.discard(i)
             states = {j: u.state.value for j, u in enumerate(engine.units)}
-            assert engine.live_bytes() <= engine.live.max_live_bytes, (engine.live_bytes(), states)
-            assert engine.live_bytes() == sum(full[j] for j, s in states.items() if s != "sharded")
+            assert engine.live.live_bytes <= engine.live.max_live_bytes, (engine.live.live_bytes, states)
+            assert engine.live.live_bytes == sum(full[j] for j, s in states.items() if s != "sharded")
             assert all(states[j] != "sharded" for j in in_use), f"a unit in use was released: {states}"
 
     try:

@@ -21,7 +21,6 @@ each shard's job as its gradient becomes final; ``step()`` waits for the rest.
 
 from __future__ import annotations
 
-import torch
 
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.offload_pipeline import AdamPipeline
@@ -53,31 +52,22 @@ class OffloadAdamW(ShardedAdamW):
         pipeline; returns it, for the source to ``submit`` each shard's job."""
         if not self.overlap_backward:
             raise RuntimeError("OffloadAdamW.begin_overlapped_step: built with overlap_backward=False")
-        for i in range(len(self.param_groups)):
-            self.group_steps[i] += 1
+        super()._count_step()
         hyper = [self._hyper(i) for i in range(len(self.param_groups))]
         self.pipeline.start(hyper.__getitem__)
         return self.pipeline
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _count_step(self) -> None:
+        if not self.overlap_backward:   # overlapped: counted when backward began updating, not twice
+            super()._count_step()
+
+    def _update_shards(self) -> None:
         if not self.overlap_backward:
-            return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # raises without a backward since the last step; never skips (fp16 is refused with overlap)
-        if not self.source.prepare_step():
-            raise RuntimeError("OffloadAdamW: an overlapped step cannot be skipped; its updates ran already")
+            # the shards stream through the swap-in -> update -> write-back pipeline
+            self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), self._hyper))
+            return
+        # overlapped (fp16 is refused with it, so the step was not skipped): backward started the updates
         if not self.pipeline.running:
             raise RuntimeError("optimizer.step(): optimizer.overlap_backward is on but no update was started "
                                "in the last backward (was the engine connected by infinity.initialize?)")
-        # group_steps were counted when backward began updating: nothing is counted or updated twice
         self.source.record_optimizer_stats(self.pipeline.finish())
-        self.source.finish_step()
-        return loss
-
-    def _update_shards(self) -> None:
-        # the shards stream through the swap-in -> update -> write-back pipeline
-        self.source.record_optimizer_stats(self.pipeline.run(self.source.shard_jobs(), self._hyper))

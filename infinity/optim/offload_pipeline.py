@@ -384,11 +384,8 @@ class AdamPipeline:
         for us are shards the compute thread has not finished: wait for the
         next one to finish and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
-        if overwrite:
-            return self._retry_for_room(lambda: self.store.claim(key, Tier.HOST, pin=True),
-                                        lambda: self._issued > self._released)
-        return self._retry_for_room(lambda: self.store.bring(key, Tier.HOST, pin=True),
-                                    lambda: self._issued > self._released)
+        move = self.store.claim if overwrite else self.store.bring
+        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released)
 
     def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool]):
         """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread

@@ -86,11 +86,15 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not self.source.prepare_step():
             self.skipped_steps += 1
             return loss
-        for i in range(len(self.param_groups)):
-            self.group_steps[i] += 1
+        self._count_step()
         self._update_shards()
         self.source.finish_step()
         return loss
+
+    def _count_step(self) -> None:
+        """Every group takes one more step (AdamW's bias correction reads the count)."""
+        for i in range(len(self.param_groups)):
+            self.group_steps[i] += 1
 
     def _hyper(self, gi: int) -> dict:
         """Param group ``gi``'s AdamW settings for this step."""

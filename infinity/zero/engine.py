@@ -250,10 +250,6 @@ class ZeroEngine:
             self.live.set_use(unit.index, UnitUse.AHEAD)
             self.gather(unit, wait=False)
 
-    def live_bytes(self) -> int:
-        """Gathered (full) parameter bytes alive now: what ``prefetch.max_live_bytes`` caps at stage 3."""
-        return self.live.live_bytes
-
     def prefetch_after(self, unit, order: list) -> None:
         """Start gathering the unit that followed ``unit`` in the recorded order (one ahead, if it fits)."""
         if not self._order_frozen:

@@ -65,8 +65,7 @@ class OffloadEngine(ZeroEngine):
         # step and CPU Adam applies it to each chunk as it reads it (saves a read + write of every shard)
         self._grad_multiplier = 1.0
         self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: stored gradients seen non-finite
-        # optimizer.overlap_backward: units are updated during backward (see infinity.zero.overlap)
-        self.overlap = OverlappedStep(0, self._shard_job) if config.optimizer.overlap_backward else None
+        self.overlap: OverlappedStep | None = None   # optimizer.overlap_backward; made once the rank is known
         self._flushing = False   # inside _end_backward: final units wait for the end of the flush
         try:
             super().__init__(model, config, param_groups, collectives=collectives, device=device)
@@ -75,8 +74,8 @@ class OffloadEngine(ZeroEngine):
                 self.store.close()   # removes the swap file a half-built engine would leave behind
             raise
         self.tracer.rank = self.rank
-        if self.overlap is not None:
-            self.overlap.rank = self.rank
+        if config.optimizer.overlap_backward:   # units are updated during backward (infinity.zero.overlap)
+            self.overlap = OverlappedStep(self.rank, self._shard_job)
         unit_bytes = {u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units}
         self.prefetcher = TracePrefetcher(unit_bytes, config.prefetch.bytes)
         self._store_mark = self._store_counters()
@@ -218,20 +217,13 @@ class OffloadEngine(ZeroEngine):
             # first gradient since zero_grad: it *is* the shard, so the old bytes are never read
             # (zero_grad is lazy, saving a read and a write of every stored shard per step)
             self._note_non_finite(out)
-            self._grad_writes.append(self._with_room(lambda: self._replace_grad(unit, out)))
+            self._grad_writes.append(self._with_room(lambda: unit.shard.replace(TensorClass.GRAD, out)))
             self._shard_grad_zeroed[unit.index] = False
         else:   # accumulation: pinned + marked dirty in the store, written home in the background
             with unit.shard.update(TensorClass.GRAD) as g:
                 g.add_(out.to(g.device))
                 self._note_non_finite(g)   # the sum itself may overflow in fp16
         unit.full_grad = None
-
-    def _replace_grad(self, unit, out: torch.Tensor):
-        """``shard.replace`` that may be retried: a register refused for room left the key released."""
-        key = unit.shard.key(TensorClass.GRAD)
-        if key in self.store:
-            return unit.shard.replace(TensorClass.GRAD, out)
-        return self.store.register(key, out, home=self.placement.home(TensorClass.GRAD), copy_async=True)
 
     def _with_room(self, attempt):
         """A store operation on this thread; during an overlapped step it may wait for host room the

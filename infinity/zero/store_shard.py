@@ -141,12 +141,13 @@ class StoreUnitShard(UnitShard):
         """New contents for a stored class without reading the old ones (the key is re-registered:
         NVMe homes get a fresh extent, one write and no read). Returns the store's future; the
         tensor is copied off the caller's thread (``tensor`` must stay unchanged until the future
-        is done), and a later bring of the key waits for the copy and the write."""
+        is done), and a later bring of the key waits for the copy and the write. May be retried
+        after a BudgetError: the register that failed left the key released."""
         key = self._keys[cls]
         self.lent.settle()
-        home = self.store.home(key)
-        self.store.release(key)
-        return self.store.register(key, tensor, home=home, copy_async=True)
+        if key in self.store:
+            self.store.release(key)
+        return self.store.register(key, tensor, home=self.placement.home(cls), copy_async=True)
 
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
