@@ -28,11 +28,14 @@ __all__ = [
     "TiersConfig",
     "PrefetchConfig",
     "IOConfig",
+    "ScheduleConfig",
+    "LR_SCHEDULES",
     "parse_size",
     "format_size",
 ]
 
 TIERS = ("none", "host", "nvme")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -164,6 +167,10 @@ def _optional_path(v, key):
     return str(v)
 
 
+def _optional_positive(v, key):
+    return None if v in (None, "none") else _float(0.0, lo_open=True)(v, key)
+
+
 def _loss_scale(v, key):
     if v in ("dynamic", "none"):
         return v
@@ -247,6 +254,27 @@ class IOConfig:
     checksum: bool = _f(True, _bool, "checksum each stored extent, verified on read")
 
 
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The learning-rate schedule and gradient clipping of a training run.
+
+    ``infinity.initialize`` does not act on it: ``infinity train`` does, and a
+    library user builds the same schedule with
+    :func:`infinity.train.schedule.build_lr_scheduler` and clips with
+    ``optimizer.clip_grad_norm_(config.schedule.clip_grad_norm)``.
+    """
+
+    lr_schedule: str = _f("constant", _choice(*LR_SCHEDULES),
+                          "after warmup: constant, linear or cosine decay from optimizer.lr to min_lr")
+    warmup_steps: int = _f(0, _int(0), "steps of linear warmup, lr * (step + 1) / warmup_steps")
+    min_lr: float = _f(0.0, _float(0.0), "learning rate at the end of a linear or cosine decay")
+    total_steps: Any = _f("auto", _int_or_auto(1),
+                          "steps from the start to the end of the decay (then min_lr holds); auto = the run's steps")
+    clip_grad_norm: Any = _f(None, _optional_positive,
+                             "clip the global gradient norm to this before each step; none = no clipping (costs "
+                             "one pass over the gradients and one all-reduce)")
+
+
 _SECTIONS = {
     "zero": ZeroConfig,
     "precision": PrecisionConfig,
@@ -255,6 +283,7 @@ _SECTIONS = {
     "tiers": TiersConfig,
     "prefetch": PrefetchConfig,
     "io": IOConfig,
+    "schedule": ScheduleConfig,
 }
 
 
@@ -285,6 +314,7 @@ class Config:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     io: IOConfig = field(default_factory=IOConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def __post_init__(self):
         self._check_cross_fields()
@@ -365,6 +395,12 @@ class Config:
                 "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
         if self.optimizer.overlap_backward:
             self._check_overlap_backward()
+        if self.optimizer.overlap_backward and self.schedule.clip_grad_norm is not None:
+            raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_backward (each unit is updated "
+                              "during backward, before the global gradient norm is known)")
+        if self.schedule.min_lr > self.optimizer.lr and self.schedule.lr_schedule != "constant":
+            raise ConfigError(f"schedule.min_lr: {self.schedule.min_lr:g} is above optimizer.lr "
+                              f"{self.optimizer.lr:g}; a decay goes down to min_lr")
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
 
