@@ -43,6 +43,7 @@ from infinity.store.eviction import EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
 from infinity.store.records import CopyRecord, KeyRecord, Transfer
 from infinity.store.residency import Residency, StoreError, Tier
+from infinity.store.swap_dir import make_swap_dir
 from infinity.store.transfers import TransferRunner, done_future as _done
 
 __all__ = ["TensorStore"]
@@ -520,6 +521,7 @@ class TensorStore(TransferRunner):
         if self.swap_dir is None:
             raise StoreError(f"register {key!r} with home nvme: no swap directory; set tiers.nvme_path "
                              "or pass swap_dir to TensorStore")
+        make_swap_dir(self.swap_dir)
         engine = IOEngine(self.io_config)
         try:
             extents = ExtentFile(self.swap_dir, engine, direct=self.io_config.direct,

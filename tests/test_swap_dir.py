@@ -1,0 +1,39 @@
+"""``tiers.nvme_path`` is created (0700) when missing, and refused in words when it cannot be."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+import infinity
+from infinity.store import StoreError
+
+
+def _config(path):
+    return {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme"},
+            "tiers": {"nvme_path": str(path)}}
+
+
+def test_missing_swap_dir_is_created_private(tmp_path):
+    swap = tmp_path / "not" / "yet"
+    model, optimizer = infinity.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), _config(swap))
+    try:
+        assert swap.is_dir() and stat.S_IMODE(os.stat(swap).st_mode) == 0o700
+        assert any(swap.iterdir())      # the store's swap file lives there
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+    finally:
+        infinity.engine_of(model).close()
+
+
+def test_swap_dir_that_cannot_be_made_names_path_and_cause(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")    # a path under a regular file fails even as root
+    with pytest.raises(StoreError, match=rf"tiers.nvme_path {blocker}/swap: cannot create the swap directory: "
+                                         "Not a directory"):
+        infinity.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), _config(blocker / "swap"))
+    with pytest.raises(StoreError, match=rf"tiers.nvme_path {blocker}: exists but is not a directory"):
+        infinity.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), _config(blocker))
