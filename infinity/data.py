@@ -32,6 +32,7 @@ __all__ = ["TokenDataset", "stdlib_corpus", "DEFAULT_CORPUS_BYTES", "VOCAB_SIZE"
 VOCAB_SIZE = 256
 DEFAULT_CORPUS_BYTES = 4 * 2**20
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_TOKEN_DTYPES = (torch.uint8, torch.int32, torch.int64)
 
 
 def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
@@ -65,8 +66,9 @@ class TokenDataset:
     """A 1-D byte-token stream cut into ``(input_ids, labels)`` windows of ``seq_len``."""
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, name: str = "tokens"):
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype != torch.uint8:
-            raise ValueError(f"TokenDataset({name}): expected a 1-D uint8 tensor of byte tokens")
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.dtype not in _TOKEN_DTYPES:
+            raise ValueError(f"TokenDataset({name}): expected a 1-D tensor of token ids (uint8 bytes, or int32 / "
+                             "int64 ids from a tokenizer)")
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenDataset({name}): seq_len must be a positive integer, got {seq_len!r}")
         if tokens.numel() < seq_len + 1:
@@ -92,6 +94,25 @@ class TokenDataset:
             raise FileNotFoundError(f"cannot read data file {path}: {e.strerror or e}") from e
         return cls(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
                    torch.empty(0, dtype=torch.uint8), seq_len, name=str(path))
+
+    @classmethod
+    def tokenized(cls, data: bytes | torch.Tensor, tokenizer, seq_len: int, name: str) -> "TokenDataset":
+        """Text (UTF-8 bytes, or a uint8 tensor of them) cut into ids by a ``transformers`` tokenizer.
+
+        The text is encoded in pieces of about 1 MiB cut at newlines, so a long
+        file never makes one huge call; ids are int32.
+        """
+        raw = bytes(data.numpy()) if isinstance(data, torch.Tensor) else bytes(data)
+        text = raw.decode("utf-8", errors="replace")
+        ids: list = []
+        start = 0
+        while start < len(text):
+            end = min(len(text), start + 2**20)
+            cut = text.rfind("\n", start, end) + 1 if end < len(text) else end
+            end = cut if cut > start else end
+            ids.extend(tokenizer(text[start:end], add_special_tokens=False)["input_ids"])
+            start = end
+        return cls(torch.tensor(ids, dtype=torch.int32), seq_len, name=f"{name} ({len(ids)} tokens)")
 
     def __len__(self) -> int:
         return self.tokens.numel()

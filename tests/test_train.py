@@ -46,6 +46,12 @@ def _train(capsys, tmp_path, *extra, stage: int = 3) -> tuple[int, dict, list]:
     return rc, json.loads(out), [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Runs that save by default (./checkpoints) save under the test's own directory."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _files_under(path: Path) -> list:
     return [p for p in path.rglob("*") if p.is_file()]
 
@@ -56,7 +62,7 @@ def one_rank(tmp_path_factory):
     trace = tmp / "trace.json"
     metrics = tmp / "metrics.jsonl"
     argv = ["train", *TINY, "--steps", str(STEPS), "--json", "--metrics", str(metrics), "--trace", str(trace),
-            "--config", _fp32_config(tmp)]
+            "--config", _fp32_config(tmp), "--no-save"]
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = main(argv)
@@ -224,7 +230,7 @@ def test_default_run_plan(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     plan = resolve(TrainOptions(), 1)
     assert plan.model == parse_model_spec(DEFAULT_MODEL)
-    assert plan.config == default_config("infinity_swap").to_dict()
+    assert plan.config == default_config("infinity_swap").replace(schedule={"total_steps": plan.steps}).to_dict()
     assert plan.config["zero"]["stage"] == 3 and plan.config["tiers"]["nvme_path"] == "infinity_swap"
     assert plan.config["offload"]["optimizer"] == DEFAULT_OFFLOAD["optimizer"]
     assert plan.config["offload"]["params"] == DEFAULT_OFFLOAD["params"]

@@ -1,9 +1,16 @@
-"""One rank's training loop, and rank 0's output: metrics lines, the trace, the progress bar, the summary.
+"""One rank's training loop: build, resume, train, evaluate, save.
 
 Per step: this rank's ``accum`` micro-batches of the global batch (forward,
-``loss / accum`` backward), one optimizer step, then one all-reduce that
-averages the loss over ranks and carries the stop flag, so every rank leaves
-the loop after the same step.
+``loss / accum`` backward), clipping, one optimizer step and one LR-schedule
+step, then one all-reduce that averages the loss over ranks and carries the
+stop flag, so every rank leaves the loop after the same step. Then, every
+``eval_every`` steps, the validation loss (:mod:`infinity.train.evaluate`),
+and every ``save_every`` steps a checkpoint; at the end (or after the step a
+Ctrl-C let finish) a last one. Rank 0's output is :mod:`infinity.train.report`.
+
+Resuming is bitwise: the checkpoint restores the model, the optimizer, the
+loss scaler and each rank's RNG; its job state the LR schedule and the data
+position (batches are a pure function of ``(seed, step)``).
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from infinity.config import Config, format_size
+from infinity.config import Config
 from infinity.train.errors import RankError
+from infinity.train.evaluate import evaluate, load_tokenizer, make_datasets, sample_text
+from infinity.train.job_state import JOB_KEY, JOB_VERSION
 from infinity.train.models import build_model, unit_init_fn
 from infinity.train.options import TrainResult
 from infinity.train.plan import Plan
+from infinity.train.report import Reporter, engine_metrics
+from infinity.train.schedule import build_lr_scheduler
 
 __all__ = ["run_rank", "engine_metrics"]
 
@@ -46,30 +57,22 @@ def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
 
 def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     import infinity
-    from infinity.data import TokenDataset
     from infinity.trace import Tracer
 
     torch.manual_seed(plan.seed)   # same initial weights on every rank (initialize also broadcasts rank 0's)
     config = Config.from_dict(plan.config)
-    if plan.model.kind == "gpt":
-        # never whole: built on the meta device, each unit materialized by the engine straight into its
-        # shards' home tiers (a 3b GPT would otherwise need 12 GB of fp32 on every rank first)
-        with torch.device("meta"):
-            model, loss_fn = build_model(plan.model, plan.seq_len)
-        num_params = sum(p.numel() for p in model.parameters())
-        model, optimizer = infinity.initialize(model, config, init_fn=unit_init_fn(model))
-    else:
-        model, loss_fn = build_model(plan.model, plan.seq_len)
-        num_params = sum(p.numel() for p in model.parameters())
-        model, optimizer = infinity.initialize(model, config)
+    model, optimizer, loss_fn, num_params = _build(plan, config)
     engine = infinity.engine_of(model)
     device = engine.device
-    if plan.data is not None:
-        dataset = TokenDataset.from_file(plan.data, plan.seq_len)
-    elif plan.corpus_bytes is not None:
-        dataset = TokenDataset.default(plan.seq_len, plan.corpus_bytes)
-    else:
-        dataset = TokenDataset.default(plan.seq_len)
+    try:
+        scheduler = build_lr_scheduler(optimizer, config.schedule, config.schedule.total_steps)
+        if plan.resume is not None:
+            _resume(plan, model, optimizer, scheduler)
+        tokenizer = load_tokenizer(plan.tokenizer)
+        train_set, val_set = make_datasets(plan, tokenizer)
+    except BaseException:
+        engine.close()
+        raise
 
     # An engine with a tracer of its own (the offload engine) records its I/O and collectives there and
     # steps it in optimizer.step(); ours then joins it. Otherwise the loop owns one and steps it itself.
@@ -80,16 +83,18 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
             dist.barrier()   # the ranks' tracer clocks start together, so their lanes line up in one trace
         tracer = Tracer(rank)
     tracer.record_step(plan.trace_step if plan.trace else None)
-    report = _Reporter(plan, rank, engine, num_params) if rank == 0 else None
+    report = Reporter(plan, rank, engine, num_params) if rank == 0 else None
     tokens_per_step = plan.batch_size * plan.seq_len
-    interrupted, steps_done = False, 0
+    clip = config.schedule.clip_grad_norm
+    interrupted, steps_done, saved_at = False, plan.start_step, plan.start_step
     try:
-        for step in range(plan.steps):
+        for step in range(plan.start_step, plan.steps):
             if owns_tracer:
                 tracer.begin_step()
             t0 = time.perf_counter()
+            extra = {"lr": optimizer.param_groups[0]["lr"]}
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            micro_batches = dataset.micro_batches(step, plan.batch_size, plan.seed, rank, world_size, plan.accum)
+            micro_batches = train_set.micro_batches(step, plan.batch_size, plan.seed, rank, world_size, plan.accum)
             for micro, (input_ids, labels) in enumerate(micro_batches):
                 input_ids, labels = input_ids.to(device), labels.to(device)
                 with tracer.span("forward", step=step, micro=micro):
@@ -100,8 +105,11 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
             # (an engine that steps its own tracer ends the recording inside step(): this span is then
             # dropped, and the engine's own optimizer events stand for it)
             with tracer.span("optimizer", step=step):
+                if clip is not None:
+                    extra["grad_norm"] = float(optimizer.clip_grad_norm_(clip))
                 optimizer.step()
                 optimizer.zero_grad()
+            scheduler.step()
             loss_mean, stop_now = _mean_and_stop(loss_sum / plan.accum, stop, world_size, device)
             step_s = time.perf_counter() - t0
             if owns_tracer:
@@ -111,19 +119,90 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
                 # the mean over ranks: every rank sees it and stops here, none is left in a collective
                 raise RankError(f"loss is {loss_mean} at step {step}: training diverged; lower --lr "
                                 f"(now {plan.config['optimizer']['lr']:g})")
+            if report is not None:   # before evaluation, whose gathers are no part of the step
+                extra.update(engine_metrics(engine, step_s))
             if plan.trace is not None and step == plan.trace_step:
                 _dump_trace(tracer, plan.trace, rank, world_size)
+            if val_set is not None and plan.eval_every and (steps_done % plan.eval_every == 0
+                                                            or steps_done == plan.steps):
+                extra["val_loss"] = evaluate(model, loss_fn, val_set, plan, rank, world_size, device)
+                extra["val_perplexity"] = math.exp(min(extra["val_loss"], 700.0))
+                if report is not None:
+                    report.say(f"step {steps_done}: val loss {extra['val_loss']:.4f}, "
+                               f"perplexity {extra['val_perplexity']:.2f}")
+            if plan.sample_every and steps_done % plan.sample_every == 0:
+                text = sample_text(model, tokenizer, train_set, plan, world_size, device, steps_done)
+                if report is not None:
+                    report.say(f"step {steps_done} sample: {text!r}")
+            if "val_loss" in extra or (plan.sample_every and steps_done % plan.sample_every == 0):
+                engine.stats.reset()   # their gathers and forward time would count into the next step's stats
             if report is not None:
-                report.step(step, loss_mean, step_s, tokens_per_step, world_size)
+                report.step(step, loss_mean, step_s, tokens_per_step, world_size, extra)
             if stop_now:
                 interrupted = steps_done < plan.steps
                 break
+            if plan.save_dir and plan.save_every and steps_done % plan.save_every == 0 and steps_done < plan.steps:
+                _save(plan, model, optimizer, scheduler, steps_done, report)
+                saved_at = steps_done
+        if plan.save_dir and steps_done > saved_at:   # the end of the run, or the step a Ctrl-C let finish
+            _save(plan, model, optimizer, scheduler, steps_done, report)
     finally:
         engine.close()
         if report is not None:
             report.close()
     summary = report.summary(steps_done, world_size, interrupted) if report is not None else {}
     return TrainResult(rank, world_size, interrupted, summary)
+
+
+def _build(plan: Plan, config: Config) -> tuple:
+    """The model on the meta device, initialized unit by unit; (model, optimizer, loss_fn, parameter count)."""
+    import infinity
+
+    if plan.model.kind == "hf":
+        model, loss_fn = build_model(plan.model, plan.seq_len)   # built whole by transformers
+        num_params = sum(p.numel() for p in model.parameters())
+        return (*infinity.initialize(model, config), loss_fn, num_params)
+    # never whole: built on the meta device, each unit materialized by the engine straight into its
+    # shards' home tiers (a 3b GPT would otherwise need 12 GB of fp32 on every rank first); a pretrained
+    # model's units are filled from its safetensors files the same way
+    with torch.device("meta"):
+        model, loss_fn = build_model(plan.model, plan.seq_len)
+    num_params = sum(p.numel() for p in model.parameters())
+    if plan.model.kind == "pretrained":
+        from infinity.models.pretrained import SafetensorsWeights
+        init_fn = SafetensorsWeights(plan.model.name, model)
+    else:
+        init_fn = unit_init_fn(model)
+    return (*infinity.initialize(model, config, init_fn=init_fn), loss_fn, num_params)
+
+
+def _resume(plan: Plan, model, optimizer, scheduler) -> None:
+    """Model, optimizer, loss scaler and this rank's RNG from the checkpoint; then the LR schedule's position."""
+    import infinity
+
+    infinity.load_checkpoint(plan.resume, model, optimizer)
+    lr = plan.config["optimizer"]["lr"]
+    scheduler.load_state_dict(plan.lr_scheduler_state)
+    if plan.lr_override:   # --lr on resume: the schedule continues from the new base
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    # the lr of the next step, from the (maybe changed) schedule: base * factor, as LambdaLR computes it
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * fn(scheduler.last_epoch)
+
+
+def _save(plan: Plan, model, optimizer, scheduler, steps_done: int, report) -> None:
+    import infinity
+
+    job = {"version": JOB_VERSION, "next_step": steps_done, "steps": plan.steps, "model": plan.model.text,
+           "seed": plan.seed, "batch_size": plan.batch_size, "seq_len": plan.seq_len, "accum": plan.accum,
+           "data": plan.data, "corpus_bytes": plan.corpus_bytes, "tokenizer": plan.tokenizer,
+           "val_fraction": plan.val_fraction, "schedule": plan.config["schedule"],
+           "lr_scheduler": scheduler.state_dict()}
+    path = infinity.save_checkpoint(plan.save_dir, model, optimizer, step=steps_done, keep_last=plan.keep_last,
+                                    client_state={JOB_KEY: job})
+    if report is not None:
+        report.checkpoint = str(path)
 
 
 def _mean_and_stop(loss: torch.Tensor, stop, world_size: int, device) -> tuple[float, bool]:
@@ -155,108 +234,3 @@ def _dump_trace(tracer, path: str, rank: int, world_size: int) -> None:
         os.replace(tmp, path)
 
 
-# ---------------------------------------------------------------- rank 0's output
-
-class _Reporter:
-    """Rank 0: the per-step metrics line, the progress bar and the summary."""
-
-    def __init__(self, plan: Plan, rank: int, engine, num_params: int):
-        self.plan, self.engine, self.num_params = plan, engine, num_params
-        self.losses: list = []
-        self.rates: list = []
-        self.t_start = time.perf_counter()
-        self.metrics = open(plan.metrics, "w") if plan.metrics else None
-        self.bar = None
-        if plan.progress:
-            from tqdm import tqdm
-            self.bar = tqdm(total=plan.steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def step(self, step: int, loss: float, step_s: float, tokens: int, world_size: int) -> None:
-        rate = tokens / step_s if step_s > 0 else 0.0
-        self.losses.append(loss)
-        self.rates.append(rate)
-        rec = {"step": step, "loss": loss, "tokens": tokens, "tokens_per_s": rate, "step_s": step_s,
-               "world_size": world_size}
-        rec.update(engine_metrics(self.engine, step_s))
-        if self.metrics is not None:
-            self.metrics.write(json.dumps(rec) + "\n")
-            self.metrics.flush()   # one line per finished step, readable while training runs
-        if self.bar is not None:
-            self.bar.set_postfix_str(_postfix(rec), refresh=False)
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.bar is not None:
-            self.bar.close()
-
-    def summary(self, steps_done: int, world_size: int, interrupted: bool) -> dict:
-        cfg = self.plan.config
-        later = self.rates[1:] or self.rates   # step 0 also records the gather order and warms allocators
-        return {
-            "model": self.plan.model.text, "num_params": self.num_params, "world_size": world_size,
-            "stage": cfg["zero"]["stage"], "param_dtype": cfg["precision"]["param_dtype"],
-            "offload": cfg["offload"], "steps": steps_done, "steps_requested": self.plan.steps,
-            "interrupted": interrupted, "batch_size": self.plan.batch_size, "seq_len": self.plan.seq_len,
-            "accum": self.plan.accum, "lr": cfg["optimizer"]["lr"],
-            "first_loss": self.losses[0] if self.losses else None,
-            "last_loss": self.losses[-1] if self.losses else None,
-            "tokens_per_s": sum(later) / len(later) if later else None,
-            "elapsed_s": time.perf_counter() - self.t_start,
-            "metrics": self.plan.metrics, "trace": self.plan.trace,
-            "data": self.plan.data or "python-stdlib", "swap_dir": self.plan.swap_dir,
-        }
-
-
-def engine_metrics(engine, step_s: float) -> dict:
-    """What the engine measured in its last step, flat and JSON-ready; fields it does not measure are absent.
-
-    ``tier_bytes``: bytes this rank holds per tier (in-memory shards count as
-    the compute device's). ``moved_bytes``: bytes per tier pair ("host->nvme").
-    ``io_gbps``: NVMe bytes read plus written over the whole step time.
-    ``stall_pct``: share of the step the compute thread waited on collectives
-    and on the store (``comm_wait_s`` + ``io_wait_s``).
-    """
-    last = getattr(engine.stats, "last_step", {}) or {}
-    out = {}
-    for key in ("forward_s", "backward_s", "comm_wait_s"):
-        if key in last:
-            out[key] = last[key]
-    if "step_s" in last:
-        out["optimizer_s"] = last["step_s"]
-    coll = last.get("collectives", {})
-    if "bytes" in coll:
-        out["collective_bytes"] = {k: v for k, v in coll["bytes"].items() if v}
-    if "sent_bytes" in coll:
-        out["sent_bytes"] = sum(coll["sent_bytes"].values())
-    offload = last.get("offload") or {}
-    for key in ("io_wait_s", "adam_s", "swap_in_wait_s", "swap_out_wait_s", "peak_bytes"):
-        if key in offload:
-            out[key] = offload[key]
-    if "moved_bytes" in offload:
-        moved = out["moved_bytes"] = dict(offload["moved_bytes"])
-        out["nvme_bytes"] = sum(v for k, v in moved.items() if "nvme" in k.split("->"))
-        if step_s > 0:
-            out["io_gbps"] = out["nvme_bytes"] / step_s / 1e9
-    waits = [out[k] for k in ("comm_wait_s", "io_wait_s") if k in out]
-    if waits and step_s > 0:
-        out["stall_pct"] = 100.0 * sum(waits) / step_s
-    resident = dict(engine.resident_bytes())
-    store = resident.pop("store", None) or {}   # the tiered store's bytes per tier, when the engine has one
-    tiers = {"device": sum(resident.values()) + store.get("device", 0)}
-    tiers.update({k: v for k, v in store.items() if k != "device"})
-    out["tier_bytes"] = tiers
-    return out
-
-
-def _postfix(rec: dict) -> str:
-    parts = [f"loss {rec['loss']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
-    tiers = rec.get("tier_bytes")
-    if tiers:
-        parts.append(" ".join(f"{k} {format_size(v)}" for k, v in tiers.items()))
-    if "io_gbps" in rec:
-        parts.append(f"io {rec['io_gbps']:.2f} GB/s")
-    if "stall_pct" in rec:
-        parts.append(f"stall {rec['stall_pct']:.0f}%")
-    return " | ".join(parts)

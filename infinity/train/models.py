@@ -5,6 +5,8 @@ One grammar::
     NAME[:KEY=VALUE,...]          a built-in GPT (tiny, 125m, 350m, 1b, 3b), fields of GPTConfig changed
     hf:CLASS[:KEY=VALUE,...]      a transformers causal LM from its config class, e.g.
                                   hf:GPT2Config:n_layer=2,n_embd=64,n_head=2 (built from config, never downloaded)
+    hf:PATH                       a local transformers model directory (config.json + safetensors): its
+                                  pretrained weights, loaded unit by unit (see infinity/models/pretrained.py)
 
 VALUE is an integer, a float, ``true``/``false``, ``none`` or a bare string.
 Tokens are bytes, so ``vocab_size`` defaults to 256 and may not be smaller.
@@ -18,18 +20,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from infinity.train.errors import TrainError
 
-__all__ = ["ModelSpec", "parse_model_spec", "build_model", "unit_init_fn", "LossFn"]
+__all__ = ["ModelSpec", "parse_model_spec", "build_model", "unit_init_fn", "max_positions", "LossFn"]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A parsed ``--model``: ``kind`` is "gpt" (``name`` a built-in size) or "hf" (``name`` a config class)."""
+    """A parsed ``--model``: ``kind`` is "gpt" (``name`` a built-in size), "hf" (``name`` a config class) or
+    "pretrained" (``name`` the absolute path of a local transformers model directory)."""
 
     kind: str
     name: str
@@ -58,6 +62,12 @@ def parse_model_spec(text: str) -> ModelSpec:
     if not isinstance(text, str) or not text.strip():
         raise TrainError("--model: empty model name")
     parts = text.strip().split(":")
+    if parts[0].lower() == "hf" and _looks_like_path(text.strip()[3:]):
+        path = Path(text.strip()[3:]).expanduser()
+        if not path.is_dir():
+            raise TrainError(f"--model {text!r}: {path} is not a directory (expected a local transformers model "
+                             "directory with config.json and safetensors weights; nothing is downloaded)")
+        return ModelSpec("pretrained", str(path.resolve()), (), text.strip())
     if parts[0].lower() == "hf":
         if len(parts) not in (2, 3) or not parts[1]:
             raise TrainError(f"--model {text!r}: expected hf:CONFIG_CLASS[:KEY=VALUE,...], "
@@ -83,6 +93,12 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec(kind, name, tuple(overrides), text.strip())
 
 
+def _looks_like_path(text: str) -> bool:
+    """``hf:`` followed by a directory (``./gpt2``, ``/models/gpt2``, ``~/gpt2``, an existing name) rather than
+    a config class name."""
+    return "/" in text or text.startswith((".", "~")) or (bool(text) and Path(text).is_dir())
+
+
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -91,7 +107,32 @@ def build_model(spec: ModelSpec, seq_len: int) -> tuple[torch.nn.Module, LossFn]
     its loss: ``loss_fn(model, input_ids, labels)``, mean cross-entropy against already-shifted labels."""
     if spec.kind == "gpt":
         return _build_gpt(spec, seq_len), _gpt_loss
+    if spec.kind == "pretrained":
+        return _build_pretrained(spec, seq_len), _hf_loss
     return _build_hf(spec, seq_len), _hf_loss
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence ``model`` takes (a GPT's block_size, a transformers config's positions), if it says."""
+    cfg = getattr(model, "config", None)
+    for key in ("block_size", "n_positions", "max_position_embeddings"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _build_pretrained(spec: ModelSpec, seq_len: int) -> torch.nn.Module:
+    from infinity.models.pretrained import PretrainedError, meta_model_from_pretrained
+
+    try:
+        model = meta_model_from_pretrained(spec.name)
+    except PretrainedError as e:
+        raise TrainError(f"--model {spec.text!r}: {e}") from None
+    positions = max_positions(model)
+    if positions is not None and seq_len > positions:
+        raise TrainError(f"--seq-len {seq_len} exceeds the model's {positions} positions ({spec.name})")
+    return model
 
 
 def _build_gpt(spec: ModelSpec, seq_len: int) -> torch.nn.Module:

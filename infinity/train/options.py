@@ -13,7 +13,8 @@ from infinity.config import Config
 
 __all__ = ["TrainOptions", "TrainResult", "default_config", "DEFAULT_MODEL", "DEFAULT_STEPS",
            "DEFAULT_BATCH_SIZE", "DEFAULT_SEQ_LEN", "DEFAULT_LR", "DEFAULT_SWAP_DIR", "DEFAULT_OFFLOAD",
-           "DEFAULT_PARAM_DTYPE"]
+           "DEFAULT_PARAM_DTYPE", "DEFAULT_SAVE_ROOT", "DEFAULT_EVAL_EVERY", "DEFAULT_EVAL_BATCHES",
+           "DEFAULT_VAL_FRACTION", "DEFAULT_SCHEDULE"]
 
 # The default run: a 10.8M-parameter GPT, 8 x 256 byte tokens a step, 50 steps, optimizer and
 # parameters on NVMe. On this 2-core machine, shared with other jobs, the whole run took 31 s at load
@@ -21,7 +22,7 @@ __all__ = ["TrainOptions", "TrainResult", "default_config", "DEFAULT_MODEL", "DE
 DEFAULT_MODEL = "tiny:n_layer=6,n_head=6,n_embd=384,block_size=256"
 DEFAULT_STEPS = 50
 DEFAULT_BATCH_SIZE = 8
-DEFAULT_SEQ_LEN = 256
+DEFAULT_SEQ_LEN = 256               # or the model's own limit, when that is shorter
 DEFAULT_LR = 1.0e-3
 DEFAULT_SWAP_DIR = "infinity_swap"
 # Where the default config keeps the optimizer state and stage-3 parameter shards: NVMe files
@@ -29,6 +30,16 @@ DEFAULT_SWAP_DIR = "infinity_swap"
 DEFAULT_OFFLOAD = {"optimizer": "nvme", "params": "nvme"}
 # Compute dtype of the default config; see default_config for the measurement behind the choice.
 DEFAULT_PARAM_DTYPE = "bf16"
+# Without --save-dir each run saves under its own DEFAULT_SAVE_ROOT/run-<time> (gitignored); --resume with no
+# path continues the newest of them.
+DEFAULT_SAVE_ROOT = "checkpoints"
+# Validation: the last 5% of the data is held out; every 25 steps (and at the last step) 4 batches of it.
+DEFAULT_EVAL_EVERY = 25
+DEFAULT_EVAL_BATCHES = 4
+DEFAULT_VAL_FRACTION = 0.05
+# The default run's schedule section: a short warmup, cosine decay to a tenth, clipping at 1.0 (the usual
+# GPT recipe, scaled to 50 steps).
+DEFAULT_SCHEDULE = {"lr_schedule": "cosine", "warmup_steps": 5, "min_lr": DEFAULT_LR / 10, "clip_grad_norm": 1.0}
 
 
 def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 3) -> Config:
@@ -55,6 +66,7 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
         "optimizer": {"lr": DEFAULT_LR},
         "offload": offload,
         "tiers": {"nvme_path": str(swap_dir)},
+        "schedule": DEFAULT_SCHEDULE,
     })
 
 
@@ -64,21 +76,38 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
 class TrainOptions:
     """What ``infinity train`` was asked for; :func:`train` validates every field before starting anything."""
 
+    # None for a field marked "resumable" means: the checkpoint's value under --resume, else the default
     config: str | None = None          # YAML/JSON config file; None = default_config()
     nproc: int = 1                     # local ranks to start (1 = this process); ignored under torchrun
-    steps: int = DEFAULT_STEPS
-    model: str = DEFAULT_MODEL         # see infinity/train/models.py for the grammar
-    batch_size: int = DEFAULT_BATCH_SIZE   # global sequences per optimizer step (all ranks, all micro-batches)
-    seq_len: int = DEFAULT_SEQ_LEN
+    steps: int | None = None           # resumable; default DEFAULT_STEPS (the total, resumed steps included)
+    model: str | None = None           # resumable; default DEFAULT_MODEL; grammar in infinity/train/models.py
+    batch_size: int | None = None      # resumable; global sequences per optimizer step (all ranks, micro-batches)
+    seq_len: int | None = None         # resumable; default min(DEFAULT_SEQ_LEN, what the model allows)
     accum: int = 1                     # micro-batches per rank per step (gradient accumulation)
     lr: float | None = None            # overrides optimizer.lr
-    seed: int = 0                      # model init and batch order
+    seed: int | None = None            # resumable; model init and batch order (default 0)
     stage: int | None = None           # overrides zero.stage
     swap_dir: str | None = None        # overrides tiers.nvme_path
     device_bytes: str | int | None = None  # overrides tiers.device_bytes (a size: bytes or "512MiB")
     host_bytes: str | int | None = None    # overrides tiers.host_bytes
-    data: str | None = None            # train on this file's bytes instead of the default corpus
-    corpus_bytes: str | int | None = None  # how much of the default corpus to use (a size)
+    data: str | None = None            # resumable; train on this file (bytes, or tokenized) instead of the default
+    corpus_bytes: str | int | None = None  # resumable; how much of the default corpus to use (a size)
+    tokenizer: str | None = None       # resumable; a local transformers tokenizer directory (default: the hf: model's)
+    val_fraction: float | None = None  # resumable; held-out tail of the data (default DEFAULT_VAL_FRACTION)
+    eval_every: int = DEFAULT_EVAL_EVERY   # validation every N steps and at the last step; 0 = never
+    eval_batches: int = DEFAULT_EVAL_BATCHES   # global batches of held-out data per evaluation
+    # schedule: None = the config's schedule section (or the checkpoint's, under --resume)
+    warmup_steps: int | None = None
+    lr_schedule: str | None = None     # constant, linear or cosine
+    min_lr: float | None = None
+    clip_grad_norm: float | None = None    # 0 = no clipping
+    save: bool = True                  # False: never save (no checkpoint at the end either)
+    save_dir: str | None = None        # None: DEFAULT_SAVE_ROOT/run-<time>, or the resumed run's directory
+    save_every: int = 0                # also save every N steps; 0 = only at the end and on Ctrl-C
+    keep_last: int | None = None       # keep the newest K checkpoints of this save dir; None = all
+    resume: str | None = None          # a checkpoint (step dir or save dir); "auto" = the save dir's latest
+    sample_every: int = 0              # print a sample of sample_tokens tokens every N steps; 0 = never
+    sample_tokens: int = 64
     metrics: str | None = None         # one JSON line per step (rank 0)
     trace: str | None = None           # Perfetto trace of step trace_step (all ranks in one file)
     trace_step: int = 1                # 0-based; the default skips step 0, which records the gather order

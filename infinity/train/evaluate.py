@@ -1,0 +1,67 @@
+"""The job's data (train split and held-out split, bytes or tokenized) and the validation loss.
+
+The held-out split is the tail ``val_fraction`` of the token stream
+(:meth:`infinity.data.TokenDataset.split`), so no training window overlaps
+it. Evaluation runs ``eval_batches`` global batches of it, the same ones every
+time (step ``i`` of the validation stream with the run's seed), each rank its
+share, under ``model.eval()`` and ``torch.no_grad()``: the engine gathers
+and releases units without recording them in its prefetch trace, and no
+training state (gradients, optimizer, RNG) is touched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from infinity.data import DEFAULT_CORPUS_BYTES, TokenDataset, stdlib_corpus
+from infinity.train.plan import Plan
+from infinity.train.sample import sample_text
+
+__all__ = ["make_datasets", "load_tokenizer", "evaluate", "sample_text"]
+
+
+def load_tokenizer(path: str | None):
+    """A local transformers tokenizer (never downloaded), or None for byte tokens."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def make_datasets(plan: Plan, tokenizer) -> tuple:
+    """(train, val or None): ``--data`` or the default corpus, tokenized if there is a tokenizer."""
+    if plan.data is not None:
+        raw = Path(plan.data).read_bytes()
+        name = plan.data
+    else:
+        raw = stdlib_corpus(plan.corpus_bytes or DEFAULT_CORPUS_BYTES)
+        name = "python-stdlib"
+    if tokenizer is not None:
+        data = TokenDataset.tokenized(raw, tokenizer, plan.seq_len, name)
+    elif isinstance(raw, torch.Tensor):
+        data = TokenDataset(raw, plan.seq_len, name)
+    else:
+        data = TokenDataset(torch.frombuffer(bytearray(raw), dtype=torch.uint8), plan.seq_len, name)
+    if plan.val_fraction <= 0.0:
+        return data, None
+    return data.split(plan.val_fraction)
+
+
+@torch.no_grad()
+def evaluate(model, loss_fn, val: TokenDataset, plan: Plan, rank: int, world_size: int, device) -> float:
+    """Mean loss over ``plan.eval_batches`` held-out global batches, averaged over ranks (every rank calls it)."""
+    was_training = model.training
+    model.eval()
+    try:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(plan.eval_batches):
+            input_ids, labels = val.micro_batches(i, plan.batch_size, plan.seed, rank, world_size, 1)[0]
+            total += loss_fn(model, input_ids.to(device), labels.to(device)).double()
+        if world_size > 1:
+            dist.all_reduce(total)
+        return float(total) / (plan.eval_batches * world_size)
+    finally:
+        model.train(was_training)

@@ -1,0 +1,146 @@
+"""Rank 0's output: the per-step metrics line, evaluation and sample lines, the progress bar, the summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+from infinity.config import format_size
+from infinity.train.plan import Plan
+
+__all__ = ["Reporter", "engine_metrics"]
+
+
+class Reporter:
+    """Rank 0: the per-step metrics line, the progress bar and the summary."""
+
+    def __init__(self, plan: Plan, rank: int, engine, num_params: int):
+        self.plan, self.engine, self.num_params = plan, engine, num_params
+        self.losses: list = []
+        self.rates: list = []
+        self.val_losses: list = []       # (step, loss)
+        self.checkpoint: str | None = None
+        self.t_start = time.perf_counter()
+        # a resumed run appends: one metrics file holds the whole run
+        self.metrics = open(plan.metrics, "a" if plan.start_step else "w") if plan.metrics else None
+        self.bar = None
+        if plan.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=plan.steps, initial=plan.start_step, desc="train", unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def say(self, line: str) -> None:
+        """A progress line (evaluation, sample) on stderr, beside the bar and without tearing it; stdout
+        keeps only the summary (one JSON object with --json)."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def step(self, step: int, loss: float, step_s: float, tokens: int, world_size: int, extra: dict) -> None:
+        """One finished step; ``extra``: lr, grad_norm, val_loss and val_perplexity where measured, and
+        :func:`engine_metrics` of the step."""
+        rate = tokens / step_s if step_s > 0 else 0.0
+        self.losses.append(loss)
+        self.rates.append(rate)
+        rec = {"step": step, "loss": loss, "tokens": tokens, "tokens_per_s": rate, "step_s": step_s,
+               "world_size": world_size}
+        rec.update(extra)
+        if "val_loss" in extra:
+            self.val_losses.append((step, extra["val_loss"]))
+        if self.metrics is not None:
+            self.metrics.write(json.dumps(rec) + "\n")
+            self.metrics.flush()   # one line per finished step, readable while training runs
+        if self.bar is not None:
+            self.bar.set_postfix_str(_postfix(rec), refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self, steps_done: int, world_size: int, interrupted: bool) -> dict:
+        cfg = self.plan.config
+        later = self.rates[1:] or self.rates   # step 0 also records the gather order and warms allocators
+        return {
+            "model": self.plan.model.text, "schedule": cfg.get("schedule"), "num_params": self.num_params, "world_size": world_size,
+            "stage": cfg["zero"]["stage"], "param_dtype": cfg["precision"]["param_dtype"],
+            "offload": cfg["offload"], "steps": steps_done, "steps_requested": self.plan.steps,
+            "interrupted": interrupted, "batch_size": self.plan.batch_size, "seq_len": self.plan.seq_len,
+            "accum": self.plan.accum, "lr": cfg["optimizer"]["lr"],
+            "first_loss": self.losses[0] if self.losses else None,
+            "last_loss": self.losses[-1] if self.losses else None,
+            "tokens_per_s": sum(later) / len(later) if later else None,
+            "elapsed_s": time.perf_counter() - self.t_start,
+            "metrics": self.plan.metrics, "trace": self.plan.trace,
+            "data": self.plan.data or "python-stdlib", "swap_dir": self.plan.swap_dir,
+            "start_step": self.plan.start_step, "resumed_from": self.plan.resume,
+            "val_loss": self.val_losses[-1][1] if self.val_losses else None,
+            "val_perplexity": _perplexity(self.val_losses[-1][1]) if self.val_losses else None,
+            "val_losses": self.val_losses, "checkpoint": self.checkpoint,
+        }
+
+
+def engine_metrics(engine, step_s: float) -> dict:
+    """What the engine measured in its last step, flat and JSON-ready; fields it does not measure are absent.
+
+    ``tier_bytes``: bytes this rank holds per tier (in-memory shards count as
+    the compute device's). ``moved_bytes``: bytes per tier pair ("host->nvme").
+    ``io_gbps``: NVMe bytes read plus written over the whole step time.
+    ``stall_pct``: share of the step the compute thread waited on collectives
+    and on the store (``comm_wait_s`` + ``io_wait_s``).
+    """
+    last = getattr(engine.stats, "last_step", {}) or {}
+    out = {}
+    for key in ("forward_s", "backward_s", "comm_wait_s"):
+        if key in last:
+            out[key] = last[key]
+    if "step_s" in last:
+        out["optimizer_s"] = last["step_s"]
+    coll = last.get("collectives", {})
+    if "bytes" in coll:
+        out["collective_bytes"] = {k: v for k, v in coll["bytes"].items() if v}
+    if "sent_bytes" in coll:
+        out["sent_bytes"] = sum(coll["sent_bytes"].values())
+    offload = last.get("offload") or {}
+    for key in ("io_wait_s", "adam_s", "swap_in_wait_s", "swap_out_wait_s", "peak_bytes"):
+        if key in offload:
+            out[key] = offload[key]
+    if "moved_bytes" in offload:
+        moved = out["moved_bytes"] = dict(offload["moved_bytes"])
+        out["nvme_bytes"] = sum(v for k, v in moved.items() if "nvme" in k.split("->"))
+        if step_s > 0:
+            out["io_gbps"] = out["nvme_bytes"] / step_s / 1e9
+    waits = [out[k] for k in ("comm_wait_s", "io_wait_s") if k in out]
+    if waits and step_s > 0:
+        out["stall_pct"] = 100.0 * sum(waits) / step_s
+    resident = dict(engine.resident_bytes())
+    store = resident.pop("store", None) or {}   # the tiered store's bytes per tier, when the engine has one
+    tiers = {"device": sum(resident.values()) + store.get("device", 0)}
+    tiers.update({k: v for k, v in store.items() if k != "device"})
+    out["tier_bytes"] = tiers
+    return out
+
+
+def _postfix(rec: dict) -> str:
+    parts = [f"loss {rec['loss']:.3f}", f"{rec['tokens_per_s']:,.0f} tok/s"]
+    if "lr" in rec:
+        parts.append(f"lr {rec['lr']:.2e}")
+    if "val_loss" in rec:
+        parts.append(f"val {rec['val_loss']:.3f} (ppl {rec['val_perplexity']:.1f})")
+    tiers = rec.get("tier_bytes")
+    if tiers:
+        parts.append(" ".join(f"{k} {format_size(v)}" for k, v in tiers.items()))
+    if "io_gbps" in rec:
+        parts.append(f"io {rec['io_gbps']:.2f} GB/s")
+    if "stall_pct" in rec:
+        parts.append(f"stall {rec['stall_pct']:.0f}%")
+    return " | ".join(parts)
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else float("inf")
