@@ -33,9 +33,9 @@ DEFAULT_PARAM_DTYPE = "bf16"
 # Without --save-dir each run saves under its own DEFAULT_SAVE_ROOT/run-<time> (gitignored); --resume with no
 # path continues the newest of them.
 DEFAULT_SAVE_ROOT = "checkpoints"
-# Validation: the last 5% of the data is held out; every 25 steps (and at the last step) 4 batches of it.
+# Validation: the last 5% of the data is held out; every 25 steps (and at the last step) 2 batches of it.
 DEFAULT_EVAL_EVERY = 25
-DEFAULT_EVAL_BATCHES = 4
+DEFAULT_EVAL_BATCHES = 2
 DEFAULT_VAL_FRACTION = 0.05
 # The default run's schedule section: a short warmup, cosine decay to a tenth, clipping at 1.0 (the usual
 # GPT recipe, scaled to 50 steps).
