@@ -40,6 +40,7 @@ from infinity.io.buffers import round_up
 from infinity.io.engine import IOEngine, IOOp
 from infinity.io.errors import ChecksumError, SwapIOError
 from infinity.io.syscalls import O_DIRECT, probe_direct_io
+from infinity.transitions import Transitions
 
 __all__ = ["ExtentFile", "Extent", "ExtentState"]
 
@@ -52,7 +53,7 @@ class ExtentState(enum.Enum):
     STORED = "stored"    # write completed; readable, reads counted in Extent.readers
 
 
-_TRANSITIONS = {ExtentState.WRITING: {ExtentState.STORED}, ExtentState.STORED: set()}
+_MOVES = Transitions("swap-file extent", {ExtentState.WRITING: {ExtentState.STORED}, ExtentState.STORED: set()})
 
 
 class _FileState(enum.Enum):
@@ -70,9 +71,7 @@ class Extent:
     readers: int = 0
 
     def move_to(self, state: ExtentState) -> None:
-        if state not in _TRANSITIONS[self.state]:
-            raise AssertionError(f"extent at {self.offset}: illegal transition {self.state.value} -> {state.value}")
-        self.state = state
+        self.state = _MOVES.check(self.state, state, f"extent at {self.offset}", error=AssertionError)
 
 
 class ExtentFile:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import enum
 
+from infinity.transitions import Transitions
+
 __all__ = ["Tier", "Residency", "StoreError", "IllegalTransition", "check_transition"]
 
 
@@ -71,7 +73,7 @@ class Residency(enum.Enum):
 
 
 # from-state -> states it may move to. Anything else is a bug or a misuse.
-_ALLOWED = {
+_MOVES = Transitions("residency", {
     Residency.ABSENT: {Residency.FILLING,     # a bring/write-back reserves bytes for a new copy
                        Residency.RESIDENT},   # register fills a host/device home synchronously
     Residency.FILLING: {Residency.RESIDENT,   # the transfer landed (or failed on a home copy,
@@ -81,10 +83,10 @@ _ALLOWED = {
                          Residency.DRAINING,  # this copy is the source of a transfer
                          Residency.ABSENT},   # evicted or released
     Residency.DRAINING: {Residency.RESIDENT},  # the transfer finished (either way); the source is unchanged
-}
+})
 
 
 def check_transition(key: str, tier: Tier, old: Residency, new: Residency, op: str) -> None:
     """Raise :class:`IllegalTransition` unless ``old -> new`` is an edge of the machine."""
-    if new not in _ALLOWED[old]:
+    if not _MOVES.allows(old, new):
         raise IllegalTransition(key, tier, old, new, op)
