@@ -13,6 +13,14 @@ Whether to keep or re-record the trace is decided by all ranks together
 (``end_step(agree)``): a rank prefetching along a trace another rank dropped
 would issue collectives in a different order, which deadlocks or corrupts.
 
+The trace is the engine's one recorded unit order: the stage-3 gather-ahead
+follows it (:meth:`upcoming`) as the store prefetch does (:meth:`on_use`). Only
+training forwards and backwards are recorded (the engine does not report uses
+outside a step, e.g. ``torch.no_grad()`` evaluation), and a step's record is
+bounded (``max_seen``): uses past it are not recorded and that step keeps the
+old trace, so forwards that never reach a backward cannot grow it or replace
+the trace. :meth:`abandon_step` drops a step that ended in an error.
+
 Trade-off of ``prefetch_bytes``: more hides more latency on a slow tier but
 holds that many more bytes in the faster tier.
 """
@@ -21,6 +29,8 @@ from __future__ import annotations
 
 import enum
 from typing import Callable, Hashable, Mapping
+
+from infinity.transitions import Transitions
 
 __all__ = ["TracePrefetcher", "TraceState"]
 
@@ -31,17 +41,28 @@ class TraceState(enum.Enum):
     DIVERGED = "diverged"    # this step left the trace: record only, re-decide at end_step
 
 
+_MOVES = Transitions("prefetch trace", {
+    TraceState.RECORDING: {TraceState.RECORDING, TraceState.FOLLOWING},   # end_step (a trace or none yet)
+    TraceState.FOLLOWING: {TraceState.DIVERGED, TraceState.FOLLOWING, TraceState.RECORDING},
+    TraceState.DIVERGED: {TraceState.FOLLOWING, TraceState.RECORDING},     # end_step / abandon_step
+})
+
+
 class TracePrefetcher:
     """Says which units to fetch next, from the order seen in earlier steps.
 
     ``unit_bytes[u]`` is what bringing unit ``u`` costs in the target tier.
+    ``max_seen``: uses recorded per step at most (default: four per unit, room for
+    a forward, a backward and re-entrant uses, and 64 at least); past it the step keeps the old trace.
     """
 
-    def __init__(self, unit_bytes: Mapping[Hashable, int], prefetch_bytes: int):
+    def __init__(self, unit_bytes: Mapping[Hashable, int], prefetch_bytes: int, max_seen: int | None = None):
         if prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be >= 0, got {prefetch_bytes}")
         self.unit_bytes = dict(unit_bytes)
         self.prefetch_bytes = prefetch_bytes
+        self.max_seen = max_seen if max_seen is not None else max(64, 4 * len(self.unit_bytes) + 4)
+        self._overflowed = False         # this step used more than max_seen: not a trace
         self.trace: list = []            # the order being followed
         self.state = TraceState.RECORDING
         self._seen: list = []            # the order seen this step
@@ -56,13 +77,26 @@ class TracePrefetcher:
         if unit not in self.unit_bytes:
             raise KeyError(f"TracePrefetcher: unknown unit {unit!r}")
         pos = len(self._seen)
+        if pos >= self.max_seen:
+            self._overflowed = True
+            if self.state is TraceState.FOLLOWING:
+                self._go(TraceState.DIVERGED)
+            return []
         self._seen.append(unit)
         if self.state is not TraceState.FOLLOWING:
             return []
         if pos >= len(self.trace) or self.trace[pos] != unit:
-            self.state = TraceState.DIVERGED
+            self._go(TraceState.DIVERGED)
             return []
         return self._next_fetches(pos)
+
+    @property
+    def seen(self) -> list:
+        """The units used so far in this step, in order (at most ``max_seen``)."""
+        return list(self._seen)
+
+    def _go(self, state: TraceState) -> None:
+        self.state = _MOVES.check(self.state, state, "TracePrefetcher")
 
     def _next_fetches(self, pos: int) -> list:
         """Extend the issued window past ``pos`` while its bytes fit the budget."""
@@ -105,13 +139,22 @@ class TracePrefetcher:
         is the same on all ranks whenever units are gathered collectively.
         """
         ok = self.state is TraceState.FOLLOWING and len(self._seen) == len(self.trace)
-        keep = agree(ok)
+        # an overflowed record (uses without a step) is no trace: it votes to keep the old one
+        keep = agree(ok or (self._overflowed and bool(self.trace)))
         if not keep:
             self.trace = list(self._seen)
             self.steps_recorded += 1
             if self.state is not TraceState.RECORDING:
                 self.steps_diverged += 1
-        self.state = TraceState.FOLLOWING if self.trace else TraceState.RECORDING
-        self._seen = []
-        self._issued_upto = 0
+        self._restart()
         return keep
+
+    def abandon_step(self) -> None:
+        """Forget this step's uses (it ended in an error): the trace stays, the next step starts afresh."""
+        self._restart()
+
+    def _restart(self) -> None:
+        self._go(TraceState.FOLLOWING if self.trace else TraceState.RECORDING)
+        self._seen = []
+        self._overflowed = False
+        self._issued_upto = 0
