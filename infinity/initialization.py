@@ -10,18 +10,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
-from infinity.optim.cpu_adam import default_adam_threads
-from infinity.optim.offload_adamw import OffloadAdamW
-from infinity.optim.sharded_adamw import ShardedAdamW
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model
-from infinity.zero.offload_engine import OffloadEngine
-from infinity.zero.placement import Placement
+from infinity.zero.optimizer import ZeroAdamW
 
 __all__ = ["initialize", "engine_of"]
 
 _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
-_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+# model -> its engine, weakly both ways: the engine lives as long as the model's hooks or the optimizer
+# hold it, and its finalizer (swap files, threads) runs once both are gone
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def initialize(model: nn.Module, config=None, params=None, init_fn=None):
@@ -51,7 +49,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
-    if model in _ENGINES:
+    if model in _ENGINES and _ENGINES[model]() is not None:
         raise RuntimeError(f"initialize: this {type(model).__name__} was already initialized; its parameters are "
                            "views into the first engine's buffers. Build a fresh model to initialize again")
     cfg = Config.load(config)
@@ -61,30 +59,23 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
         model.to(device)  # a meta model's units are materialized on the device one at a time instead
     groups = _param_groups(model, params)
     o = cfg.optimizer
-    hyper = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if Placement.from_config(cfg).any_offload or on_meta:
-        engine = OffloadEngine(model, cfg, groups, device=device, init_fn=init_fn)
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        threads = o.threads if o.threads != "auto" else default_adam_threads(local_ranks)
-        optimizer = OffloadAdamW(groups, engine, threads=threads, overlap_backward=o.overlap_backward, **hyper)
-        engine.on_close(optimizer.close)
-        if o.overlap_backward:
-            engine.overlap_with(optimizer.begin_overlapped_step)   # backward starts each step's updates
-    else:
-        if init_fn is not None:
-            raise ValueError("initialize: init_fn is only used for a model built on the meta device")
-        engine = ZeroEngine(model, cfg, groups, device=device)
-        optimizer = ShardedAdamW(groups, engine, **hyper)
-    _ENGINES[model] = engine
+    engine = ZeroEngine(model, cfg, groups, device=device, init_fn=init_fn)
+    try:
+        optimizer = ZeroAdamW(groups, engine, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    except BaseException:
+        engine.close()   # its swap file and threads must not outlive a failed initialize
+        raise
+    _ENGINES[model] = weakref.ref(engine)
     return model, optimizer
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:
     """The engine ``initialize`` built for ``model`` (stats, units, resident bytes)."""
-    try:
-        return _ENGINES[model]
-    except KeyError:
-        raise KeyError(f"{type(model).__name__} was not passed through infinity.initialize") from None
+    ref = _ENGINES.get(model)
+    engine = ref() if ref is not None else None
+    if engine is None:
+        raise KeyError(f"{type(model).__name__} was not passed through infinity.initialize")
+    return engine
 
 
 def _init_distributed() -> torch.device:

@@ -124,7 +124,7 @@ def gated(spec: dict) -> dict:
             raise RuntimeError("boom in backward")
     else:
         def hook():
-            _wait_until(lambda: opt.pipeline.updates_started > 0)
+            _wait_until(lambda: engine.update.pipeline.updates_started > 0)
     model.hook = hook
     error = None
     try:

@@ -8,7 +8,7 @@ import torch.nn as nn
 from hypothesis import given, settings, strategies as st
 
 import infinity
-from infinity.optim.sharded_adamw import adamw_
+from infinity.optim.cpu_adam import adamw_
 from infinity.zero.collectives import LocalCollectives
 from infinity.zero.units import (FlatUnit, TensorClass, UnitState, choose_unit_modules, plan_units,
                                   shard_align_numel)

@@ -62,6 +62,7 @@ def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> di
     if failed:
         raise CheckpointError(f"load_checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
 
+    engine.prepare_load()   # whatever the step was doing (a backward that raised, a failed update) is dropped
     try:
         for unit in engine.units:
             _load_unit(engine, unit, reader)
@@ -108,7 +109,7 @@ def _load_unit(engine, unit, reader: ShardReader) -> None:
             param.copy_(master)  # the compute-dtype shard is always the master rounded (as after a step)
         if engine.stage in (1, 2):
             # parameters are views of the full buffer: every rank's new shard must reach every rank
-            engine.coll.all_gather(unit.full_param, param.clone())
+            engine.refresh_full_param(unit)
 
 
 def _load_extras(ckpt: Checkpoint, model) -> None:

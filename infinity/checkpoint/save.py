@@ -39,7 +39,7 @@ def engine_for(model, optimizer):
     """The ZeRO engine behind ``model`` / ``optimizer`` (both from one ``infinity.initialize``)."""
     from infinity.initialization import engine_of
     engine = engine_of(model)
-    if getattr(optimizer, "source", None) is not engine:
+    if getattr(optimizer, "engine", None) is not engine:
         raise CheckpointError("the optimizer was not returned by the same infinity.initialize as the model")
     return engine
 

@@ -69,7 +69,6 @@ def restore_optimizer(optimizer, saved: dict, where: str) -> None:
     for g, s in zip(optimizer.param_groups, groups):
         for k, v in s.items():
             g[k] = tuple(v) if k == "betas" else v
-    # ShardedAdamW keeps its step counts as plain attributes; there is no setter yet
     optimizer.group_steps = [int(x) for x in saved["group_steps"]]
     optimizer.skipped_steps = int(saved["skipped_steps"])
 

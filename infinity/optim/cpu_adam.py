@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["CpuAdamW", "default_adam_threads"]
+__all__ = ["CpuAdamW", "adamw_", "default_adam_threads"]
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # The fused kernel runs vector lanes over the body of a tensor and scalar code
@@ -131,7 +131,7 @@ class CpuAdamW:
                 out[s:e].copy_(p)
 
 
-def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay):
+def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:
     if _HAS_FUSED:
         # The fused kernel reads the step count from a tensor and expects it
         # already incremented (torch.optim.AdamW increments before calling it).
@@ -139,11 +139,21 @@ def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay):
         torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
                             weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
         return
-    # Same math as torch.optim.AdamW's single-tensor path.
-    p.mul_(1 - lr * weight_decay)
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-    denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-lr / bias_correction1)
+    adamw_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+           step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update in place on flat fp32 tensors (any device); the same ops as torch's
+    ``_single_tensor_adam``, so bitwise equal to ``torch.optim.AdamW``'s default path. The project's
+    one copy of the math: CPU Adam's fallback where torch has no fused kernel, and the update of
+    optimizer states kept in device memory. ``step`` is the 1-based count after this update."""
+    if weight_decay != 0:
+        param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    step_size = lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)

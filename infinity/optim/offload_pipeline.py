@@ -25,6 +25,10 @@ waits for room that an earlier write-back frees). Trade-off of ``lookahead``:
 each step of it holds one more shard's states (16 B/element) in host memory and
 hides one more shard's read latency behind compute.
 
+Fields held in memory (tensors rather than store keys) pass through the
+swap-in and write-back untouched, so in-memory and offloaded shards run the
+same step; a pipeline without a store (``store=None``) takes only those.
+
 Talks to the store only through its public methods (bring / mark_dirty / unpin
 / write_back / wait); knows nothing of ZeRO.
 """
@@ -41,8 +45,7 @@ from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import CpuAdamW
-from infinity.optim.sharded_adamw import adamw_
+from infinity.optim.cpu_adam import CpuAdamW, adamw_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
 from infinity.trace import NULL_TRACER, Tracer
@@ -103,7 +106,7 @@ class AdamPipeline:
     :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
     """
 
-    def __init__(self, store: TensorStore, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
+    def __init__(self, store: TensorStore | None, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
                  copy_cpu_tensors: bool = False):
         if lookahead < 1:
             raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
@@ -117,7 +120,9 @@ class AdamPipeline:
         self._held: dict = {}
         self._stop = threading.Event()
         self.updates_started = 0     # shards whose update has begun in the running (or last) step
+        self.updated: list = []      # names of the jobs whose update is done (running or last step)
         self.last_stats: dict = {}
+        self._cuda_device = None
 
     @property
     def running(self) -> bool:
@@ -153,7 +158,10 @@ class AdamPipeline:
         self._held = {}   # key -> future of its pinned bring, until the compute thread unpins it
         self._error: BaseException | None = None
         self.updates_started = 0
+        self.updated = []
         self.last_stats = {}
+        # CUDA-only: the current device is per thread; the compute thread takes the caller's
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         # the swap-in thread may run ahead by `lookahead` shards; each slot is released when the
         # compute thread is done with a shard (its host copies unpinned, hence evictable once clean)
         self._slots = threading.Semaphore(self.lookahead + 1)
@@ -168,6 +176,8 @@ class AdamPipeline:
         """Queue ``job`` (its gradient final) for the running step; returns at once."""
         if not self.running:
             raise RuntimeError(f"AdamPipeline.submit {job.name}: no step is running; start() one first")
+        if self.store is None and any(isinstance(getattr(job, name), str) for name in _FIELDS):
+            raise ValueError(f"AdamPipeline.submit {job.name}: a field is a store key but this pipeline has no store")
         # CUDA-only: a device gradient is final once the kernels queued so far on this stream have run
         job._grads_ready = _record_event() if torch.cuda.is_available() else None
         job._submitted_s = time.perf_counter()
@@ -244,8 +254,8 @@ class AdamPipeline:
         # (copy to the device or None, on_done, param) in shard order: on_done runs once the copy landed
         landing: collections.deque = collections.deque()
         try:
-            if self.store.device.type == "cuda" and self.store.device.index is not None:
-                torch.cuda.set_device(self.store.device)   # CUDA-only: the current device is per thread
+            if self._cuda_device is not None:
+                torch.cuda.set_device(self._cuda_device)   # CUDA-only: the current device is per thread
             with torch.no_grad():   # grad mode is per thread; the update must not record a graph
                 while True:
                     t0 = time.perf_counter()
@@ -266,6 +276,8 @@ class AdamPipeline:
                     starts.append(t1)
                     with self.tracer.span(f"adam {job.name}", lane="compute"):
                         out, copied = self._update(job, tensors, hyper)
+                    with self._progress:
+                        self.updated.append(job.name)
                     t2 = time.perf_counter()
                     adam_s += t2 - t1
                     landing.append((copied, job.on_done, out))
@@ -433,11 +445,10 @@ class AdamPipeline:
                 self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
                                 step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                 weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
-            else:   # CUDA-only: states in device memory
+            else:   # CUDA-only: states in device memory, updated there with the same kernel
                 adamw_(master[lo:hi], grad[lo:hi].float() * job.grad_scale, t["exp_avg"][lo:hi],
-                       t["exp_avg_sq"][lo:hi],
-                       step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                       weight_decay=h["weight_decay"])
+                       t["exp_avg_sq"][lo:hi], step=h["step"], lr=h["lr"], beta1=h["betas"][0],
+                       beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
                 if o is not None:
                     o.copy_(master[lo:hi])
         if to_device:

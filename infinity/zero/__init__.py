@@ -2,7 +2,8 @@
 
 from infinity.zero.collectives import Collectives, LocalCollectives, make_collectives
 from infinity.zero.engine import ZeroEngine
+from infinity.zero.optimizer import ZeroAdamW
 from infinity.zero.units import FlatUnit, TensorClass, UnitShard, UnitState
 
-__all__ = ["ZeroEngine", "FlatUnit", "UnitShard", "UnitState", "TensorClass", "Collectives",
+__all__ = ["ZeroEngine", "ZeroAdamW", "FlatUnit", "UnitShard", "UnitState", "TensorClass", "Collectives",
            "LocalCollectives", "make_collectives"]

@@ -156,6 +156,13 @@ class Collectives:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def all_agree(self, ok: bool) -> bool:
+        """True only if every rank's ``ok`` is True (control data, 4 bytes; not counted)."""
+        device = "cuda" if self.backend == "nccl" else "cpu"   # CUDA-only: NCCL reduces device tensors
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return flag.item() == 0
+
 
 class LocalCollectives:
     """World size 1, no process group: same API, same logical volume counted, nothing sent."""
@@ -195,6 +202,9 @@ class LocalCollectives:
 
     def all_gather_object(self, obj) -> list:
         return [pickle.loads(pickle.dumps(obj))]
+
+    def all_agree(self, ok: bool) -> bool:
+        return bool(ok)
 
 
 def make_collectives(group=None):

@@ -1,12 +1,14 @@
 """The hooks that drive the engine from an ordinary forward and ``loss.backward()``.
 
-- root forward pre-hook: stage 3 gathers the root unit (in use until the end of
-  backward); starts the forward clock.
+- root forward pre-hook: notices a backward that raised since the last call
+  (``engine.begin_forward``); stage 3 gathers the root unit (in use until the
+  end of backward); starts the forward clock.
 - root forward hook: fp16 wraps the outputs in :class:`ScaleGrad`; registers a
   grad hook on the outputs that marks the start of backward (and queues the
   end-of-backward flush).
-- unit forward pre-hook (stage 3): gather this unit for use (``engine.acquire``,
-  within ``prefetch.max_live_bytes``), prefetch the next one.
+- unit forward pre-hook (stage 3): gather this unit for use (``engine.use_unit``,
+  within ``prefetch.max_live_bytes``) and, in a training pass, record the use in
+  the trace and prefetch along it; ``torch.no_grad()`` passes record nothing.
 - unit forward hook (stage 3): release the unit (``reshard_after_forward``) or
   keep it for backward (``engine.after_forward``), and register a grad hook on
   its outputs that acquires it again just before its backward runs.
@@ -19,6 +21,7 @@ Nothing is attached to parameters or modules beyond these removable handles.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -68,17 +71,15 @@ def _scale_outputs(out, scale: float):
     return out
 
 
-def install(engine) -> list:
-    """Register every hook the stage needs; returns the removable handles."""
+def install(engine, model) -> list:
+    """Register every hook the stage needs on ``model``; returns the removable handles."""
     handles = []
     root_unit = next((u for u in engine.units if u.is_root), None)
 
     def root_pre(module, args):
-        engine.stats.start("forward")
+        engine.begin_forward()
         if engine.stage == 3 and root_unit is not None:
-            _record(engine, engine.forward_order, root_unit)
-            engine.acquire(root_unit)
-            engine.prefetch_after(root_unit, engine.forward_order)
+            engine.use_unit(root_unit, training=torch.is_grad_enabled())
 
     def root_post(module, args, out):
         if not torch.is_grad_enabled():
@@ -96,8 +97,8 @@ def install(engine) -> list:
         engine.stats.stop("forward")
         return out
 
-    handles.append(engine.model.register_forward_pre_hook(root_pre))
-    handles.append(engine.model.register_forward_hook(root_post))
+    handles.append(model.register_forward_pre_hook(root_pre))
+    handles.append(model.register_forward_hook(root_post))
 
     if engine.stage == 3:
         for unit in engine.units:
@@ -106,23 +107,27 @@ def install(engine) -> list:
             handles.append(unit.module.register_forward_pre_hook(_unit_pre(engine, unit)))
             handles.append(unit.module.register_forward_hook(_unit_post(engine, unit)))
 
+    # a parameter's hooks are held by the tensor in C++, where the garbage collector cannot follow
+    # them: a closure holding the engine or a unit (which holds the parameter) would keep the engine
+    # alive forever, so these hold the engine weakly and the unit by index
+    engine_ref = weakref.ref(engine)
     for unit in engine.units:
-        for slot, p in zip(unit.slots, unit.params):
+        for s, p in enumerate(unit.params):
             handles.append(p.register_post_accumulate_grad_hook(
-                lambda param, unit=unit, slot=slot: engine.param_grad_ready(unit, slot, param)))
+                lambda param, u=unit.index, s=s: _param_grad_ready(engine_ref, u, s, param)))
     return handles
 
 
-def _record(engine, order: list, unit) -> None:
-    if not engine._order_frozen and unit.index not in order:
-        order.append(unit.index)
+def _param_grad_ready(engine_ref, unit_index: int, slot_index: int, param) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        unit = engine.units[unit_index]
+        engine.param_grad_ready(unit, unit.slots[slot_index], param)
 
 
 def _unit_pre(engine, unit):
     def pre(module, args):
-        _record(engine, engine.forward_order, unit)
-        engine.acquire(unit)
-        engine.prefetch_after(unit, engine.forward_order)
+        engine.use_unit(unit, training=torch.is_grad_enabled())
     return pre
 
 
@@ -136,9 +141,7 @@ def _unit_post(engine, unit):
         if tensors:
             def before_backward(grad):
                 engine.enter_backward()
-                _record(engine, engine.backward_order, unit)
-                engine.acquire(unit)   # in use until its gradients are reduced (then released)
-                engine.prefetch_after(unit, engine.backward_order)
+                engine.use_unit(unit, training=True)   # in use until its gradients are reduced (then released)
             register_multi_grad_hook(tensors, before_backward, mode="any")
         return None
     return post

@@ -36,6 +36,7 @@ import enum
 from typing import Mapping
 
 from infinity.config import ConfigError
+from infinity.transitions import Transitions
 
 __all__ = ["UnitUse", "LiveUnits", "check_cap", "resolve_cap"]
 
@@ -62,12 +63,12 @@ class UnitUse(enum.Enum):
     KEPT = "kept"        # forward done, kept for backward (reshard_after_forward off): released under pressure
 
 
-_ALLOWED = {
+_MOVES = Transitions("unit use", {
     UnitUse.IDLE: {UnitUse.AHEAD, UnitUse.IN_USE},
     UnitUse.AHEAD: {UnitUse.IN_USE, UnitUse.IDLE},
     UnitUse.IN_USE: {UnitUse.KEPT, UnitUse.IDLE},
     UnitUse.KEPT: {UnitUse.IN_USE, UnitUse.IDLE},
-}
+})
 
 
 def check_cap(max_live_bytes: int, full_bytes: Mapping[str, int], root: str | None) -> None:
@@ -144,8 +145,7 @@ class LiveUnits:
         old = self._use[index]
         if new is old:
             return
-        if new not in _ALLOWED[old]:
-            raise RuntimeError(f"unit {self.names[index]}: illegal use transition {old.value} -> {new.value}")
+        _MOVES.check(old, new, f"unit {self.names[index]}", what="use transition")
         for queue, state in ((self._ahead, UnitUse.AHEAD), (self._kept, UnitUse.KEPT)):
             if old is state:
                 queue.remove(index)

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta"]
+__all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta", "place_units"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -101,3 +101,44 @@ def check_no_meta(model: nn.Module) -> None:
             raise ValueError(f"initialize (meta model): buffer {name!r} is on the meta device; initialize "
                              "materializes parameters only. Build buffers on a real device (e.g. register them "
                              "outside the meta context) or call model.to_empty() and fill them first")
+
+
+def place_units(model: nn.Module, units: list, init_fn: Callable | None, place: Callable, device) -> None:
+    """Hand each unit's parameters, as one fp32 flat buffer on ``device``, to ``place(unit, flat32)``.
+
+    A real model's values are copied unit by unit. A meta model is walked in
+    initializer order (:func:`init_plan`), and each unit is placed as soon as its
+    last parameter is written, so only one unit (plus the root) is ever materialized.
+    """
+    if not is_meta_model(model):
+        if init_fn is not None:
+            raise ValueError("initialize: init_fn is only used for a model built on the meta device")
+        for unit in units:
+            flat32 = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+            for slot, p in zip(unit.slots, unit.params):
+                flat32[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+            place(unit, flat32)
+        return
+    check_no_meta(model)
+    steps = init_plan(model, [u.module for u in units if not u.is_root])
+    where = {id(p): (u, s) for u in units for s, p in zip(u.slots, u.params)}
+    left = {u.index: len(u.params) for u in units}
+    flats: dict = {}
+    by_id = {id(p): p for p in model.parameters()}
+    for step in steps:
+        for pid in step.param_ids:
+            p = by_id[pid]
+            if pid not in where:   # frozen: not sharded, just made real
+                give_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+                continue
+            unit, slot = where[pid]
+            if unit.index not in flats:
+                flats[unit.index] = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+            give_storage(p, flats[unit.index][slot.offset:slot.offset + slot.numel])
+        run_init(step, init_fn)
+        for pid in step.param_ids:
+            if pid in where:
+                unit = where[pid][0]
+                left[unit.index] -= 1
+                if left[unit.index] == 0:
+                    place(unit, flats.pop(unit.index))

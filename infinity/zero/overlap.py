@@ -13,8 +13,9 @@ What it costs: one backward per step (gradient accumulation would need the
 update to wait for the last micro-batch), no ``clip_grad_norm_`` and no fp16
 (both need every gradient before any update), and hyper-parameters are fixed
 when the first unit is submitted (set the lr before ``backward()``). A backward
-that raises part-way leaves the units already updated updated: reload a
-checkpoint after it.
+that raises part-way leaves the units already updated updated, and the step
+uncounted: the engine then refuses ``zero_grad`` and the step until a
+checkpoint is loaded (the state is newer than any checkpoint, but not a whole step).
 
 Order of submission: units whose shard is final while backward runs are
 submitted at once; the root unit (stage 3: gathered for the whole backward) and
@@ -30,6 +31,8 @@ import enum
 import time
 from typing import Callable
 
+from infinity.transitions import Transitions
+
 __all__ = ["OverlapPhase", "OverlappedStep"]
 
 SECOND_BACKWARD = ("optimizer.overlap_backward applies the update in backward: one backward per step; "
@@ -42,23 +45,25 @@ class OverlapPhase(enum.Enum):
     AWAITING_STEP = "awaiting"     # backward done, every unit submitted; optimizer.step() finishes
 
 
-_NEXT = {OverlapPhase.IDLE: {OverlapPhase.UPDATING},
-         OverlapPhase.UPDATING: {OverlapPhase.AWAITING_STEP},
-         OverlapPhase.AWAITING_STEP: {OverlapPhase.IDLE}}
+_MOVES = Transitions("overlapped step", {
+    OverlapPhase.IDLE: {OverlapPhase.UPDATING},
+    OverlapPhase.UPDATING: {OverlapPhase.AWAITING_STEP, OverlapPhase.IDLE},   # idle: the backward raised
+    OverlapPhase.AWAITING_STEP: {OverlapPhase.IDLE},
+})
 
 
 class OverlappedStep:
     """The engine side of an overlapped step: which units are final, when the pipeline starts.
 
     ``build_job(unit)`` makes one unit's :class:`~infinity.optim.offload_pipeline.ShardJob`;
-    :meth:`connect` takes the optimizer's ``begin_step()``, which counts the step, starts
-    the pipeline and returns it (an :class:`~infinity.optim.offload_pipeline.AdamPipeline`).
+    ``begin_step()`` fixes the step's hyper-parameters, starts the engine's pipeline and returns
+    it (an :class:`~infinity.optim.offload_pipeline.AdamPipeline`).
     """
 
-    def __init__(self, rank: int, build_job: Callable):
+    def __init__(self, rank: int, build_job: Callable, begin_step: Callable):
         self.rank = rank
         self.build_job = build_job
-        self.begin_step: Callable | None = None
+        self.begin_step = begin_step
         self.pipeline = None               # the optimizer's, once a step has begun
         self.phase = OverlapPhase.IDLE
         self._deferred: list = []          # units final now, submitted at the end of backward
@@ -66,13 +71,8 @@ class OverlappedStep:
         self._backward_end_s: float | None = None
         self._submitted_in_backward = 0
 
-    def connect(self, begin_step: Callable) -> None:
-        self.begin_step = begin_step
-
     def _go(self, phase: OverlapPhase) -> None:
-        if phase not in _NEXT[self.phase]:
-            raise RuntimeError(f"overlapped step on rank {self.rank}: {self.phase.value} -> {phase.value}")
-        self.phase = phase
+        self.phase = _MOVES.check(self.phase, phase, f"rank {self.rank}")
 
     # ------------------------------------------------------------ driven by the engine
 
@@ -110,9 +110,6 @@ class OverlappedStep:
 
     def _submit(self, unit) -> None:
         if self.phase is OverlapPhase.IDLE:
-            if self.begin_step is None:
-                raise RuntimeError(f"optimizer.overlap_backward on rank {self.rank}: no optimizer is connected "
-                                   "to the engine; build both with infinity.initialize")
             self.pipeline = self.begin_step()
             self._go(OverlapPhase.UPDATING)
         self._submitted.add(unit.index)
@@ -124,6 +121,16 @@ class OverlappedStep:
         if self.pipeline is None:
             return attempt()
         return self.pipeline.wait_for_room(attempt)
+
+    def abort(self) -> bool:
+        """The backward raised: drop what was deferred; True if some unit's update had begun (the
+        pipeline is aborted by the engine)."""
+        began = bool(self._submitted)
+        self._deferred, self._submitted = [], set()
+        self._backward_end_s, self._submitted_in_backward = None, 0
+        if self.phase is not OverlapPhase.IDLE:
+            self._go(OverlapPhase.IDLE)
+        return began
 
     def end_step(self, optimizer_stats: dict) -> dict:
         """The step finished: back to idle; the step's overlap stats."""

@@ -16,6 +16,11 @@ the hot path uses :meth:`key` and the store's own async methods instead.
 
 A stored class may alias another (fp32 training with params and optimizer in
 the same tier: MASTER is the PARAM key), so one copy serves both.
+
+The engine's verbs (:meth:`param_for_gather`, :meth:`fold_grad`,
+:meth:`job_field`, ...) are the in-memory shard's, done through the store for
+stored classes: a gather reads a pinned device copy, a first gradient replaces
+the stored one without reading it, an optimizer job names store keys.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import contextlib
 
 import torch
 
-from infinity.store import TensorStore
+from infinity.store import TensorStore, Tier
 from infinity.zero.placement import Placement, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
@@ -149,9 +154,53 @@ class StoreUnitShard(UnitShard):
             self.store.release(key)
         return self.store.register(key, tensor, home=self.placement.home(cls), copy_async=True)
 
+    # ------------------------------------------------------------ the engine's verbs
+
+    def param_for_gather(self):
+        """The parameter shard on the device tier, pinned while the all-gather reads it (an eviction
+        meanwhile would hand its budget to another key), and the unpin for when the gather is done."""
+        key = self._keys.get(TensorClass.PARAM)
+        if key is None:
+            return super().param_for_gather()
+        self.lent.settle()   # a checkpoint load may have written the shard through get()
+        src = self.store.wait(self.store.bring(key, Tier.DEVICE, pin=True))
+        return src, lambda: self.store.unpin(key, Tier.DEVICE)
+
+    def prefetch_param(self) -> None:
+        """Start bringing the stored parameter shard to the device tier (raises BudgetError if full)."""
+        key = self._keys.get(TensorClass.PARAM)
+        if key is not None:
+            self.store.bring(key, Tier.DEVICE)
+
+    def fold_grad(self, reduced: torch.Tensor, first: bool):
+        key = self._keys.get(TensorClass.GRAD)
+        if key is None:
+            return super().fold_grad(reduced, first)
+        if first:
+            # it *is* the shard, so the old bytes are never read (zero_grad is lazy, saving a read
+            # and a write of every stored shard per step)
+            return self.replace(TensorClass.GRAD, reduced)
+        with self.update(TensorClass.GRAD) as g:   # pinned + marked dirty, written home in the background
+            g.add_(reduced.to(g.device))
+        return None
+
+    def job_field(self, cls: TensorClass):
+        return self._keys.get(cls) or super().get(cls)
+
+    def settle(self) -> None:
+        self.lent.settle()
+
+    def write_back_dirty(self) -> list:
+        futures = []
+        for key in set(self._keys.values()):
+            if key in self.store and self.store.is_dirty(key) and self.store.home(key) is not Tier.HOST:
+                futures.append(self.store.write_back(key))
+        return futures
+
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
         for key in set(self._keys.values()):
             if key in self.store:
                 self.store.release(key)
         self._keys.clear()
+        super().release()

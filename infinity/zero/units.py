@@ -10,12 +10,22 @@ buffer split evenly over the ranks with each shard's byte size a multiple of
 4096 in every dtype it is stored in (direct I/O needs that).
 
 :class:`UnitShard` holds this rank's tensors for one unit, by
-:class:`TensorClass`, behind :meth:`UnitShard.get` / :meth:`UnitShard.put` so a
-store-backed shard (host / NVMe tiers) can replace the in-memory one.
+:class:`TensorClass`, in memory. It is one of two homes behind the same verbs
+(the other is :class:`~infinity.zero.store_shard.StoreUnitShard`, for classes
+placed on host or NVMe): the engine asks a shard for the parameter to gather,
+folds a reduced gradient into it, takes its optimizer job fields, and saves or
+loads it for checkpoints, without knowing where it lives.
+
+A :class:`FlatUnit` is also the unit's runtime state during a step (the role of
+FSDP2's ``FSDPParamGroup``): its gather state, the gradients still to arrive in
+this backward, which slots were written since ``zero_grad``, whether its
+gradient shard still holds values from before ``zero_grad``, and whether the
+running optimizer step has updated it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from dataclasses import dataclass
@@ -23,9 +33,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from infinity.transitions import Transitions
+
 __all__ = [
     "DIRECT_IO_ALIGN_BYTES", "UnitState", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
-    "choose_unit_modules", "plan_units", "shard_align_numel",
+    "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure",
 ]
 
 DIRECT_IO_ALIGN_BYTES = 4096
@@ -40,11 +52,11 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"    # full buffer holds every rank's shard; parameters are usable views
 
 
-_ALLOWED = {
+_MOVES = Transitions("unit gather state", {
     UnitState.SHARDED: {UnitState.GATHERING},
     UnitState.GATHERING: {UnitState.GATHERED},
     UnitState.GATHERED: {UnitState.SHARDED},
-}
+})
 
 
 class TensorClass(enum.Enum):
@@ -104,15 +116,24 @@ class FlatUnit:
         self.full_param: torch.Tensor | None = None   # compute dtype, padded_numel; storage freed when SHARDED
         self.full_grad: torch.Tensor | None = None    # reduce dtype, padded_numel, while gradients accumulate
         self.shard: UnitShard | None = None
+        # ---- runtime state of the step (reset by the engine; see the module doc)
+        self.gather = None                  # the in-flight all-gather while GATHERING (engine-private)
+        self.grads_pending = len(slots)     # parameter gradients still to arrive in this backward
+        self.reduced = False                # this backward's reduction of the unit has been launched
+        self.unwritten: set | None = None   # slot offsets not written since zero_grad (None: all real)
+        self.grad_stale = False             # the gradient shard predates zero_grad: the next fold copies
+        self.updated = False                # the running optimizer step has updated this unit's shard
+
+    def start_backward_pass(self) -> None:
+        """A new backward pass: every parameter's gradient is still to come."""
+        self.grads_pending, self.reduced = len(self.slots), False
 
     @property
     def is_root(self) -> bool:
         return self.name == ROOT_UNIT_NAME
 
     def transition(self, new: UnitState) -> None:
-        if new not in _ALLOWED[self.state]:
-            raise RuntimeError(f"unit {self.name}: illegal transition {self.state.value} -> {new.value}")
-        self.state = new
+        self.state = _MOVES.check(self.state, new, f"unit {self.name}")
         if new is UnitState.GATHERED:
             self._point_params(live=True)
         elif new is UnitState.SHARDED:
@@ -153,15 +174,28 @@ class FlatUnit:
 
 
 class UnitShard:
-    """This rank's tensors of one unit, in memory. Tensors of a class may alias (see TensorClass.MASTER)."""
+    """This rank's tensors of one unit, in memory. Tensors of a class may alias (see TensorClass.MASTER).
+
+    The verbs the engine uses are the same for every home (see the module doc);
+    here each is the plain in-memory operation.
+    """
 
     def __init__(self):
         self._tensors: dict = {}
 
+    # ---- contents
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
         self._tensors[cls] = tensor
 
+    def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device) -> None:
+        self._tensors[cls] = torch.zeros(numel, dtype=dtype, device=device)
+
+    def alias(self, cls: TensorClass, same_as: TensorClass) -> None:
+        """``cls`` is the very tensor of ``same_as``."""
+        self._tensors[cls] = self.get(same_as)
+
     def get(self, cls: TensorClass) -> torch.Tensor:
+        """The class's tensor, for reading or writing."""
         try:
             return self._tensors[cls]
         except KeyError:
@@ -173,6 +207,52 @@ class UnitShard:
 
     def has(self, cls: TensorClass) -> bool:
         return cls in self._tensors
+
+    def key(self, cls: TensorClass) -> str | None:
+        """The store key of a stored class; None: held in memory (always, here)."""
+        return None
+
+    def is_alias(self, cls: TensorClass, other: TensorClass) -> bool:
+        return self.has(cls) and self.has(other) and self.get(cls) is self.get(other)
+
+    @contextlib.contextmanager
+    def update(self, cls: TensorClass):
+        """``with shard.update(cls) as t:`` change a class in place."""
+        yield self.get(cls)
+
+    # ---- the engine's verbs
+    def param_for_gather(self):
+        """(the parameter shard an all-gather reads, a call for when the gather is done, or None)."""
+        return self.get(TensorClass.PARAM), None
+
+    def prefetch_param(self) -> None:
+        """Start bringing the parameter shard toward the device (stage-3 prefetch); nothing in memory."""
+
+    def fold_grad(self, reduced: torch.Tensor, first: bool):
+        """Fold a reduce-scattered gradient into the shard: a copy when ``first`` (the shard predates
+        zero_grad), else a sum. Returns the future of a write still in flight, or None."""
+        grad = self.get(TensorClass.GRAD)
+        if first:
+            grad.copy_(reduced)
+        else:
+            grad.add_(reduced)
+        return None
+
+    def job_field(self, cls: TensorClass):
+        """What an optimizer :class:`~infinity.optim.offload_pipeline.ShardJob` takes for ``cls``:
+        a store key, or the in-memory tensor."""
+        return self.get(cls)
+
+    def settle(self) -> None:
+        """Finish what earlier ``get`` calls lent out (a store-backed shard writes it home)."""
+
+    def write_back_dirty(self) -> list:
+        """Start writing home copies that are newer than their home (after a failed write); futures."""
+        return []
+
+    def release(self) -> None:
+        """Forget the tensors (the engine is closing)."""
+        self._tensors.clear()
 
 
 # ---------------------------------------------------------------- partitioning
@@ -243,3 +323,57 @@ def plan_units(model: nn.Module, group_of: dict, unit_classes, shard_world: int,
         units.append(FlatUnit(len(units), name, mod, ps, [first_name[id(p)] for p in ps],
                               group_of, shard_world, align_numel))
     return units
+
+
+def group_index(model: nn.Module, param_groups: list) -> dict:
+    """id(param) -> its param group's index; every trainable parameter in exactly one group."""
+    group_of = {}
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            if id(p) in group_of:
+                raise ValueError(f"initialize: a parameter appears in param groups {group_of[id(p)]} and {gi}")
+            group_of[id(p)] = gi
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"initialize: {type(model).__name__} has no trainable parameters "
+                         "(none with requires_grad=True); there is nothing to train")
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(f"initialize: parameter {missing[0]!r} requires grad but is in no param group "
+                         f"({len(missing)} such); add it to a group or set requires_grad=False")
+    foreign = [gi for pid, gi in group_of.items() if pid not in names]
+    if foreign:
+        raise ValueError(f"initialize: param group {foreign[0]} holds a tensor that is not a parameter of the model")
+    by_name = dict(model.named_parameters())
+    frozen = [names[pid] for pid in group_of if not by_name[names[pid]].requires_grad]
+    if frozen:
+        raise ValueError(f"initialize: parameter {frozen[0]!r} is in a param group but has requires_grad=False")
+    return group_of
+
+
+def check_structure(units: list, coll) -> None:
+    """Every rank must have cut the same units (names, sizes, parameters, groups); raise naming the first
+    rank and difference otherwise (before any collective that would hang on a mismatch)."""
+    mine = [u.signature() for u in units]
+    every = coll.all_gather_object(mine)
+    for r, theirs in enumerate(every):
+        if theirs == every[0]:
+            continue
+        if len(theirs) != len(every[0]):
+            detail = f"{len(theirs)} units vs {len(every[0])}"
+        else:
+            a, b = next((a, b) for a, b in zip(every[0], theirs) if a != b)
+            detail = f"unit {b[0]!r}: {_first_difference(a, b)}"
+        raise RuntimeError(
+            f"initialize: rank {r} disagrees with rank 0 on the model's structure ({detail}); "
+            "every rank must build the same model with the same param groups")
+
+
+def _first_difference(a, b) -> str:
+    if a[1] != b[1]:
+        return f"padded size {b[1]} vs {a[1]}"
+    for sa, sb in zip(a[2], b[2]):
+        if sa != sb:
+            return f"parameter {sb[0]!r} shape {sb[1]} group {sb[2]} vs {sa[0]!r} shape {sa[1]} group {sa[2]}"
+    return f"{len(b[2])} parameters vs {len(a[2])}"

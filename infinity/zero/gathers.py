@@ -1,0 +1,133 @@
+"""Stage 3: each unit's full parameters, gathered just before use and released just after.
+
+A unit is SHARDED (only this rank's shard exists), GATHERING (its full buffer
+allocated and the all-gather launched) or GATHERED (parameters are usable
+views). The shard an all-gather reads comes from the unit's home
+(:meth:`UnitShard.param_for_gather`: in memory, or a pinned device copy from
+the store). Gathered bytes are capped by ``prefetch.max_live_bytes``
+(:mod:`infinity.zero.live_units`): a gather for use releases units gathered
+ahead or kept for backward first, a gather ahead only starts if it fits.
+
+The recorded unit order (the engine's :class:`TracePrefetcher`) drives both
+kinds of prefetch: the stored shards of the next units are brought toward the
+device within ``prefetch.bytes``, and the next unit's all-gather starts early.
+Only training passes are recorded; a ``torch.no_grad()`` pass gathers on
+demand and leaves the trace alone. Every rank makes the same decisions (the
+hooks run in the same order everywhere), which matters: a gather is a
+collective, and ranks that disagreed on whether to start one would deadlock.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from infinity.store import BudgetError
+from infinity.zero.live_units import UnitUse
+from infinity.zero.units import UnitState
+
+__all__ = ["UnitGathers"]
+
+
+class _Gather:
+    """A launched all-gather: its collective, what to do once it is done, and when it started."""
+
+    __slots__ = ("pending", "done", "t0")
+
+    def __init__(self, pending, done, t0: float):
+        self.pending, self.done, self.t0 = pending, done, t0
+
+
+class UnitGathers:
+    """Gather / release of the engine's units. ``update`` says which units the running (overlapped)
+    update is writing, which must not be gathered, and waits for host room it holds."""
+
+    def __init__(self, units: list, coll, live, prefetcher, update, tracer, reshard_after_forward: bool, rank: int):
+        self.units, self.coll, self.live, self.prefetcher = units, coll, live, prefetcher
+        self.update, self.tracer = update, tracer
+        self.reshard_after_forward, self.rank = reshard_after_forward, rank
+
+    def gather(self, unit, wait: bool = True) -> None:
+        """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
+        if unit.state is UnitState.SHARDED:
+            self.update.check_gather(unit)
+            src, done = self.update.with_room(unit.shard.param_for_gather)
+            unit.transition(UnitState.GATHERING)
+            self.live.gathering(unit.index)
+            full = unit.full_param
+            full.untyped_storage().resize_(unit.padded_numel * full.element_size())
+            # the collective writes the buffer behind autograd's back; without this the
+            # version bump would make saved parameters look modified in-place to backward
+            with torch.autograd._unsafe_preserve_version_counter(full):
+                pending = self.coll.all_gather(full, src, async_op=True)
+            unit.gather = _Gather(pending, done, time.perf_counter())
+        if wait and unit.state is UnitState.GATHERING:
+            g, unit.gather = unit.gather, None
+            try:
+                g.pending.wait()
+            finally:
+                if g.done is not None:
+                    g.done()   # the gather no longer reads its source (e.g. unpin the stored shard)
+                unit.transition(UnitState.GATHERED)
+            self.tracer.add(f"all-gather {unit.name}", g.t0, time.perf_counter(), lane="comm")
+
+    def release(self, unit) -> None:
+        """Free the full buffer (parameters stay views of it, unusable until the next gather)."""
+        if unit.state is UnitState.GATHERING:
+            self.gather(unit)  # the collective must finish before its output storage is freed
+        if unit.state is UnitState.GATHERED:
+            unit.transition(UnitState.SHARDED)
+            self.live.released(unit.index)
+            unit.full_param.untyped_storage().resize_(0)
+        elif self.live.use(unit.index) is not UnitUse.IDLE:
+            self.live.set_use(unit.index, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    def acquire(self, unit) -> None:
+        """Gather ``unit`` for use now (its forward or backward; the root's whole step). It stays in use,
+        never released for the cap, until :meth:`release` or :meth:`after_forward`. If gathering it would
+        exceed ``prefetch.max_live_bytes``, units gathered but not in use are released first; if that is
+        not enough, raises RuntimeError instead of exceeding the cap."""
+        if unit.state is UnitState.SHARDED and not self.live.fits(unit.index):
+            for index in self.live.victims_for(unit.index, self.rank):
+                self.release(self.units[index])   # a gathering victim is waited on first (see release)
+        self.live.set_use(unit.index, UnitUse.IN_USE)
+        self.gather(unit)
+
+    def after_forward(self, unit) -> None:
+        """A unit's forward is done: release it (``reshard_after_forward``), or keep it gathered for its
+        backward, where the cap may release it (its backward then gathers it again)."""
+        if self.reshard_after_forward:
+            self.release(unit)
+        elif unit.state is not UnitState.SHARDED:
+            self.live.set_use(unit.index, UnitUse.KEPT)
+
+    def gather_ahead(self, unit) -> None:
+        """Prefetch: start ``unit``'s all-gather now if it is sharded and fits under the cap (nothing is
+        released for it)."""
+        if unit.state is UnitState.SHARDED and self.live.fits(unit.index) and not self.update.updating(unit.index):
+            self.live.set_use(unit.index, UnitUse.AHEAD)
+            self.gather(unit, wait=False)
+
+    def use_unit(self, unit, training: bool) -> None:
+        """A unit's forward or backward is about to run: gather it for use; in a training pass record
+        the use and prefetch along the trace (see the module doc)."""
+        if not training:
+            self.acquire(unit)
+            return
+        fetch = self.prefetcher.on_use(unit.index)
+        self.acquire(unit)
+        for index in fetch:
+            if self.update.updating(index):
+                continue   # Adam is writing its shard (a trace from another step's order): no use this step
+            try:
+                self.units[index].shard.prefetch_param()
+            except BudgetError:
+                break   # the device tier is full of pinned copies: fetch on demand instead
+        nxt = self.prefetcher.upcoming(1)
+        if nxt:
+            self.gather_ahead(self.units[nxt[0]])   # only if it fits prefetch.max_live_bytes

@@ -1,0 +1,272 @@
+"""Gradients, from the parameter hooks to the reduced shard the optimizer reads (stages 0-3).
+
+Each parameter's ``.grad`` is moved into its unit's full (flat, padded)
+gradient as soon as autograd has accumulated it; the unit's last one makes the
+full gradient final and launches its reduction:
+
+- stage 0: the units' full gradients are views of one arena, cut in buckets of
+  ``zero.bucket_bytes``; a bucket is all-reduced once all its units are final,
+  in bucket order (so every rank issues the same sequence);
+- stage 1: the arena is summed locally over micro-batches and reduce-scattered
+  once per step (:meth:`GradReducer.finish`);
+- stages 2-3: each unit is reduce-scattered as soon as it is final and the
+  result folded into its gradient shard (:meth:`UnitShard.fold_grad`: in memory
+  or in the store), so a full gradient never outlives its unit's backward.
+
+``zero_grad`` is lazy: the next backward's first write to a slot (stages 0-1)
+or shard (stages 2-3) is a copy instead of an add, and slots that get no
+gradient are zeroed when their unit is reduced.
+
+Gradients are never rewritten to unscale or clip them. fp16 overflow is noted
+while each reduced shard is still in memory (one all-reduce of a flag per
+step); unscaling and the clip coefficient become one fp32 multiplier
+(:attr:`GradReducer.multiplier`) that the optimizer applies to each chunk as it
+reads it, in fp32 — so small fp16 gradients are not flushed to zero, and a
+stored gradient costs no extra read and write.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from infinity.zero.units import TensorClass
+
+__all__ = ["GradReducer", "MAX_INFLIGHT"]
+
+# Collectives of one kind in flight before the oldest is waited on. Each holds a
+# unit-sized buffer (a full gradient in backward, a shard copy around the step),
+# so this bounds the extra memory; more would overlap more.
+MAX_INFLIGHT = 2
+
+
+class _Bucket:
+    """Stage 0: a run of units whose gradients are all-reduced in one call."""
+
+    def __init__(self, units, view):
+        self.units, self.view = units, view
+        self.ready = 0
+        self.pending = None
+
+
+class GradReducer:
+    """This rank's gradient path. ``on_folded(unit)`` runs once a stage-2/3 unit's reduced gradient
+    is in its shard; ``on_launched(unit)`` once its reduction is launched (stage 3 releases it);
+    ``with_room(attempt)`` runs a store operation that may wait for host room."""
+
+    def __init__(self, engine_units: list, stage: int, coll, reduce_dtype: torch.dtype, device,
+                 bucket_bytes: int, shard_rank: int, fp16: bool):
+        self.units, self.stage, self.coll = engine_units, stage, coll
+        self.reduce_dtype, self.device, self.shard_rank = reduce_dtype, device, shard_rank
+        self.fp16 = fp16
+        self.arena: torch.Tensor | None = None
+        self.buckets: list = []
+        self._bucket_of: dict = {}
+        self._inflight: collections.deque = collections.deque()
+        self.writes: list = []              # store futures of folded gradients, waited on before reading
+        self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: a folded shard was non-finite
+        self.multiplier = 1.0               # unscale x clip coefficient, applied as the optimizer reads
+        self.on_folded = lambda unit: None
+        self.on_launched = lambda unit: None
+        self.with_room = lambda attempt: attempt()
+        self._bucket_bytes = bucket_bytes
+
+    # ------------------------------------------------------------ layout
+
+    def build(self) -> None:
+        """Stages 0-1: one arena, units in reverse order (roughly the order backward finishes them),
+        so a stage-0 bucket is a contiguous range; stages 2-3: a zero gradient shard per unit."""
+        if self.stage >= 2:
+            for unit in self.units:
+                unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
+            return
+        total = sum(u.padded_numel for u in self.units)
+        self.arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
+        offset, run, run_lo = 0, [], 0
+        itemsize = self.arena.element_size()
+        for unit in reversed(self.units):
+            unit.full_grad = self.arena[offset:offset + unit.padded_numel]
+            lo = self.shard_rank * unit.shard_numel
+            unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
+            offset += unit.padded_numel
+            run.append(unit)
+            if (offset - run_lo) * itemsize >= self._bucket_bytes:
+                self.buckets.append(_Bucket(run, self.arena[run_lo:offset]))
+                run, run_lo = [], offset
+        if run:
+            self.buckets.append(_Bucket(run, self.arena[run_lo:offset]))
+        self._bucket_of = {u.index: b for b in self.buckets for u in b.units}
+
+    # ------------------------------------------------------------ backward
+
+    def param_ready(self, unit, slot, param) -> None:
+        """Move ``param.grad`` into the unit's full gradient; the unit's last one launches its reduction."""
+        grad = param.grad
+        param.grad = None  # gradients live in the flat buffers; keeping .grad would double the memory
+        if unit.full_grad is None:
+            self._new_full_grad(unit)
+        dst = unit.full_grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if unit.unwritten is not None and slot.offset in unit.unwritten:
+            # first gradient since zero_grad: a copy, so zero_grad never has to clear the buffer
+            dst.copy_(grad)
+            unit.unwritten.discard(slot.offset)
+        else:
+            dst.add_(grad)
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:
+            self._reduce(unit)
+
+    def _new_full_grad(self, unit) -> None:
+        """Stage 2/3: a fresh full gradient; only its padding is cleared, slots are written on arrival."""
+        unit.full_grad = torch.empty(unit.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        unit.full_grad[unit.numel:].zero_()
+        unit.unwritten = {s.offset for s in unit.slots}
+
+    def _reduce(self, unit) -> None:
+        """The unit's full gradient is final for this backward: zero its unwritten slots, reduce it."""
+        if unit.full_grad is None:
+            self._new_full_grad(unit)
+        if unit.unwritten:
+            for slot in unit.slots:
+                if slot.offset in unit.unwritten:
+                    unit.full_grad[slot.offset:slot.offset + slot.numel].zero_()
+        unit.unwritten = None
+        unit.reduced = True
+        if self.stage == 0:
+            self._bucket_of[unit.index].ready += 1
+            self._launch_ready_buckets()
+        elif self.stage >= 2:
+            out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            self._inflight.append(self.coll.reduce_scatter(
+                out, unit.full_grad, average=True, async_op=True,
+                then=lambda unit=unit, out=out: self._fold(unit, out)))
+            while len(self._inflight) > MAX_INFLIGHT:
+                self._inflight.popleft().wait()
+        self.on_launched(unit)
+
+    def _fold(self, unit, out: torch.Tensor) -> None:
+        first, unit.grad_stale = unit.grad_stale, False
+        if self.fp16 and first:
+            self._note_non_finite(out)
+        write = self.with_room(lambda: unit.shard.fold_grad(out, first))
+        if write is not None:
+            self.writes.append(write)
+        if self.fp16 and not first:
+            self._note_non_finite(unit.shard.read(TensorClass.GRAD))   # the sum itself may overflow
+        unit.full_grad = None   # the full gradient is dropped once reduced
+        self.on_folded(unit)
+
+    def _note_non_finite(self, grad: torch.Tensor) -> None:
+        self._inf_flag.add_((~torch.isfinite(grad)).any().float().cpu())
+
+    def _launch_ready_buckets(self) -> None:
+        # strictly in bucket order so every rank issues the same sequence of collectives
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                continue
+            if bucket.ready < len(bucket.units):
+                return
+            bucket.pending = self.coll.all_reduce(bucket.view, average=True, async_op=True)
+
+    def flush(self) -> None:
+        """End of backward: units some of whose parameters got no gradient are reduced now, in unit
+        order; every reduction of this backward is waited on."""
+        for unit in self.units:
+            if not unit.reduced:
+                self._reduce(unit)
+        self._wait_all()
+        for unit in self.units:
+            unit.start_backward_pass()
+
+    def _wait_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                pending, bucket.pending = bucket.pending, None
+                pending.wait()
+            bucket.ready = 0
+        while self._inflight:
+            self._inflight.popleft().wait()
+
+    def abort(self) -> None:
+        """A backward raised part-way: wait for the reductions it launched (every rank launched the
+        same ones), drop its partial gradients. The caller requires ``zero()`` before a step."""
+        try:
+            self._wait_all()
+        finally:
+            self._inflight.clear()
+            for bucket in self.buckets:
+                bucket.pending, bucket.ready = None, 0
+            self.settle_writes(raise_errors=False)
+            for unit in self.units:
+                unit.start_backward_pass()
+                if self.arena is None:
+                    unit.full_grad = None
+
+    # ------------------------------------------------------------ the step's view
+
+    def finish(self, loss_scale: float | None) -> bool:
+        """Complete reduction (stage 1: the reduce-scatter) and fold fp16 unscaling into the
+        multiplier; returns True if any rank's gradients overflowed."""
+        if self.stage == 1:
+            # launched together so the transport pipelines them; each output lands in the grad shard,
+            # which is a view of the input, hence the separate output buffer
+            pending = collections.deque()
+            for unit in self.units:
+                out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                pending.append(self.coll.reduce_scatter(
+                    out, unit.full_grad, average=True, async_op=True,
+                    then=lambda unit=unit, out=out: unit.shard.get(TensorClass.GRAD).copy_(out)))
+                while len(pending) > MAX_INFLIGHT:
+                    pending.popleft().wait()
+            while pending:
+                pending.popleft().wait()
+        self.settle_writes()
+        if loss_scale is None:
+            return False
+        if self.stage < 2:   # in-memory shards: looked at now (stages 2-3 noted them as they were folded)
+            for unit in self.units:
+                self._note_non_finite(unit.shard.get(TensorClass.GRAD))
+        flag, self._inf_flag = self._inf_flag.to(self.device), torch.zeros(1, dtype=torch.float32)
+        self.coll.all_reduce_max(flag)
+        if flag.item() > 0:
+            return True
+        self.multiplier /= loss_scale
+        return False
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the (unscaled) gradients; folds ``min(1, max_norm / norm)`` into the
+        multiplier. Reads one unit's gradient shard at a time."""
+        sq = torch.zeros((), dtype=torch.float32)
+        for unit in self.units:
+            sq += unit.shard.read(TensorClass.GRAD).float().pow(2).sum().cpu()
+        if self.stage > 0:  # stage 0 holds the whole (already reduced) gradient on every rank
+            sq = sq.to(self.device)
+            self.coll.all_reduce_sum(sq)
+        # the shards still hold fp16's scaled values: the multiplier so far is the unscale
+        norm = sq.sqrt().cpu() * self.multiplier
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        self.multiplier *= float(coef)
+        return norm
+
+    def settle_writes(self, raise_errors: bool = True) -> None:
+        """Wait for folded gradients still being written; a failed write is raised here."""
+        writes, self.writes = self.writes, []
+        for f in writes:
+            try:
+                f.result()
+            except BaseException:
+                if raise_errors:
+                    raise
+
+    def zero(self) -> None:
+        """Logically zero every gradient (see the module doc); the multiplier starts again at 1."""
+        self.multiplier = 1.0
+        self._inf_flag.zero_()
+        if self.arena is not None:
+            for unit in self.units:
+                unit.unwritten = {s.offset for s in unit.slots}
+        else:
+            for unit in self.units:
+                unit.grad_stale = True
+                unit.full_grad = None
