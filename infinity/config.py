@@ -29,6 +29,7 @@ __all__ = [
     "PrefetchConfig",
     "IOConfig",
     "ScheduleConfig",
+    "ParallelConfig",
     "LR_SCHEDULES",
     "parse_size",
     "format_size",
@@ -275,6 +276,19 @@ class ScheduleConfig:
                              "one pass over the gradients and one all-reduce)")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the world is cut into a 2-D ``("dp", "tp")`` mesh (:mod:`infinity.zero.mesh`).
+
+    Tensor parallelism splits each attention / MLP matrix ``tensor`` ways (Megatron column / row
+    split): model state per rank falls by ``tensor`` on top of ZeRO's data-parallel sharding, at the
+    cost of two all-reduces of the activations per layer in forward and two in backward, which only
+    pay on fast links (inside a node). Data parallel is the rest of the world: ``world / tensor``.
+    """
+
+    tensor: int = _f(1, _int(1), "tensor-parallel ways (adjacent ranks); data parallel = world size / tensor")
+
+
 _SECTIONS = {
     "zero": ZeroConfig,
     "precision": PrecisionConfig,
@@ -284,6 +298,7 @@ _SECTIONS = {
     "prefetch": PrefetchConfig,
     "io": IOConfig,
     "schedule": ScheduleConfig,
+    "parallel": ParallelConfig,
 }
 
 
@@ -315,6 +330,7 @@ class Config:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     io: IOConfig = field(default_factory=IOConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
         self._check_cross_fields()

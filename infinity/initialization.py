@@ -10,9 +10,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
+from infinity.zero.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model
+from infinity.zero.mesh import build_mesh
 from infinity.zero.optimizer import ZeroAdamW
+from infinity.zero.tensor_parallel import TensorParallel, apply_plan
+from infinity.zero.tp_plans import default_plan
 
 __all__ = ["initialize", "engine_of"]
 
@@ -22,7 +26,7 @@ _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def initialize(model: nn.Module, config=None, params=None, init_fn=None):
+def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan=None):
     """Shard ``model``'s training state as ``config`` says; returns ``(model, optimizer)``.
 
     ``model`` is changed in place: its trainable parameters become views into
@@ -46,6 +50,14 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
     World size 1 needs no ``torch.distributed``; under ``torchrun`` (``WORLD_SIZE``
     etc. set) the default process group is created if it is not up yet
     (NCCL on CUDA, gloo on CPU).
+
+    ``parallel.tensor = T > 1`` builds the 2-D ``("dp", "tp")`` mesh
+    (:mod:`infinity.zero.mesh`), splits the model ``T`` ways by ``tp_plan``
+    (default: :func:`infinity.zero.tp_plans.default_plan` for the model's class;
+    see :mod:`infinity.zero.tensor_parallel`) and shards each rank's split
+    parameters over its ``dp`` group only. Every rank must build the same full
+    model (same seed) before calling this; ``params`` may name the full
+    parameters, they are replaced by their slices.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -58,8 +70,22 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None):
     if device.type == "cuda" and not on_meta:
         model.to(device)  # a meta model's units are materialized on the device one at a time instead
     groups = _param_groups(model, params)
+    mesh = build_mesh(cfg.parallel.tensor, device.type)
+    tp, coll = None, None
+    if mesh.tp_size > 1:
+        if on_meta:
+            raise ValueError("initialize: parallel.tensor > 1 needs a materialized model (the tensor-parallel "
+                             "plan slices real weights); build it without the meta device")
+        tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank)
+        replaced = apply_plan(model, tp_plan if tp_plan is not None else default_plan(model), tp)
+        for g in groups:
+            g["params"] = [replaced.get(id(p), p) for p in g["params"]]
+        coll = Collectives(mesh.dp_group) if mesh.dp_size > 1 else LocalCollectives()
+    elif tp_plan is not None:
+        raise ValueError("initialize: tp_plan given but parallel.tensor is 1; set parallel.tensor to split the model")
     o = cfg.optimizer
-    engine = ZeroEngine(model, cfg, groups, device=device, init_fn=init_fn)
+    engine = ZeroEngine(model, cfg, groups, collectives=coll, device=device, init_fn=init_fn, mesh=mesh,
+                        tensor_parallel=tp)
     try:
         optimizer = ZeroAdamW(groups, engine, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     except BaseException:

@@ -85,12 +85,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)       # residual projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        B, T, _ = x.shape
+        # (B, T, C) each; under tensor parallelism c_attn is column-split and n_head is this rank's
+        # heads, so these are (B, T, C / tp) and the head size is unchanged
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
         # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

@@ -148,7 +148,7 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self.counters.add("broadcast", tensor.numel(), tensor.element_size(), self._ring())
-        dist.broadcast(tensor, src=src, group=self.group)
+        dist.broadcast(tensor, group_src=src, group=self.group)   # src: a rank of this group
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj`` (control data, e.g. structure signatures); not counted."""

@@ -56,7 +56,7 @@ from infinity.store import TensorStore
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
-from infinity.zero.collectives import make_collectives
+from infinity.zero.collectives import Collectives, make_collectives
 from infinity.zero.gathers import UnitGathers
 from infinity.zero.grads import GradReducer
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
@@ -64,6 +64,7 @@ from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.placement import Placement
 from infinity.zero.stats import EngineStats
+from infinity.zero.tp_norm import TensorParallelNorm
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
 from infinity.zero.units import TensorClass, UnitShard, check_structure, group_index, plan_units, shard_align_numel
 from infinity.zero.update import ShardUpdate
@@ -81,19 +82,24 @@ class ZeroEngine:
     """
 
     def __init__(self, model: nn.Module, config: Config, param_groups: list, collectives=None, device=None,
-                 init_fn=None):
+                 init_fn=None, mesh=None, tensor_parallel=None):
         self.config = config
         self.stage = config.zero.stage
         self.reshard_after_forward = config.zero.reshard_after_forward
         self.placement = Placement.from_config(config)
         self.coll = collectives if collectives is not None else make_collectives()
-        self.rank, self.world_size = self.coll.rank, self.coll.world_size
+        self.rank, self.world_size = self.coll.rank, self.coll.world_size   # on the data-parallel axis
+        # tensor parallelism (infinity.zero.tensor_parallel): the engine shards this rank's tp-local
+        # parameters over the dp group only; the store, trace and checkpoints use the global rank
+        self.tp = tensor_parallel
+        self.world_rank = mesh.world_rank if mesh is not None else self.rank
+        self.world_coll = Collectives(None) if self.tp is not None else self.coll
         self.param_dtype = DTYPES[config.precision.param_dtype]
         self.reduce_dtype = DTYPES[config.precision.reduce_dtype]
         on_meta = meta.is_meta_model(model)
         self.device = device if device is not None else (torch.device("cpu") if on_meta else _param_device(model))
         self.stats = EngineStats(self.coll.counters)
-        self.tracer = Tracer(self.rank)
+        self.tracer = Tracer(self.world_rank)
         self.shard_world = 1 if self.stage == 0 else self.world_size
         self.shard_rank = 0 if self.stage == 0 else self.rank
         self.phase = StepPhase.IDLE
@@ -126,11 +132,16 @@ class ZeroEngine:
             self.loss_scaler = LossScaler(scale, dynamic, config.precision.loss_scale_window)
         self.grads = GradReducer(self.units, self.stage, self.coll, self.reduce_dtype, self.device,
                                  config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None)
+        if self.tp is not None:
+            tp_norm = TensorParallelNorm(self.units, self.tp, self.shard_rank)
+            self.grads.square_sum = tp_norm.square_sum
+            # the global norm over both axes in one all-reduce (stage 0: dp ranks hold equal gradients)
+            self.grads.norm_coll = self.world_coll if self.stage > 0 else self.tp.coll
 
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
-                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.rank)
+                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
                 self._lent = LentCopies(self.store)
             self.update = ShardUpdate(self, config.optimizer)
             self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
@@ -149,6 +160,9 @@ class ZeroEngine:
             self.close()
             raise
         self.coll.counters.reset()  # the init broadcast is not part of any step
+        if self.tp is not None:
+            self.tp.coll.counters.reset()
+            self.world_coll.counters.reset()
         self.live.reset_step()      # nor are the full buffers materialization held
         self.update.mark_store()
         self.tracer.begin_step()
@@ -337,6 +351,11 @@ class ZeroEngine:
         self.stats.stop("step")
         self.stats.end_step()
         self.stats.last_step.update(self.live.take_step_stats())   # live_peak_bytes, live_cap_releases
+        if self.tp is not None:   # the other mesh axis: activation all-reduces, and the clip norm's one
+            self.stats.last_step["collectives_tp"] = self.tp.coll.counters.snapshot()
+            self.stats.last_step["collectives_world"] = self.world_coll.counters.snapshot()
+            self.tp.coll.counters.reset()
+            self.world_coll.counters.reset()
         self.update.step_stats(self.stats.last_step)
         self.tracer.end_step()
         self.tracer.begin_step()

@@ -71,6 +71,10 @@ class GradReducer:
         self.on_launched = lambda unit: None
         self.with_room = lambda attempt: attempt()
         self._bucket_bytes = bucket_bytes
+        # clip: a unit shard's squared gradient norm, and where the sum is all-reduced (None: nowhere,
+        # stage 0 holds the whole reduced gradient); tensor parallelism replaces both (engine)
+        self.square_sum = lambda unit, grad: grad.float().pow(2).sum()
+        self.norm_coll = coll if stage > 0 else None
 
     # ------------------------------------------------------------ layout
 
@@ -239,10 +243,10 @@ class GradReducer:
         multiplier. Reads one unit's gradient shard at a time."""
         sq = torch.zeros((), dtype=torch.float32)
         for unit in self.units:
-            sq += unit.shard.read(TensorClass.GRAD).float().pow(2).sum().cpu()
-        if self.stage > 0:  # stage 0 holds the whole (already reduced) gradient on every rank
+            sq += self.square_sum(unit, unit.shard.read(TensorClass.GRAD)).cpu()
+        if self.norm_coll is not None:
             sq = sq.to(self.device)
-            self.coll.all_reduce_sum(sq)
+            self.norm_coll.all_reduce_sum(sq)
         # the shards still hold fp16's scaled values: the multiplier so far is the unscale
         norm = sq.sqrt().cpu() * self.multiplier
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

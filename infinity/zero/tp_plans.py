@@ -1,0 +1,59 @@
+"""Default tensor-parallel plans: the built-in GPT, Hugging Face GPT-2 and Llama.
+
+Each is the Megatron layout of a transformer block: attention's q/k/v
+projections and the MLP's first layer(s) column-split, the attention output
+and the MLP's last layer row-split, so one block costs one all-reduce after
+attention and one after the MLP in forward (and their mirror images in
+backward), and every rank holds whole heads. Embeddings, norms and the output
+head stay replicated (a vocabulary-parallel head is not planned). Pass your
+own dict to ``infinity.initialize(..., tp_plan=...)`` for any other model.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from infinity.zero.tensor_parallel import Colwise, DivideAttrs, Rowwise
+
+__all__ = ["default_plan", "GPT_PLAN", "GPT2_PLAN", "LLAMA_PLAN"]
+
+# infinity.models.GPT: fused q|k|v in c_attn (3 blocks), local head count n_head
+GPT_PLAN = {
+    "transformer.h.*.attn": DivideAttrs("n_head"),
+    "transformer.h.*.attn.c_attn": Colwise(parts=3),
+    "transformer.h.*.attn.c_proj": Rowwise(),
+    "transformer.h.*.mlp.c_fc": Colwise(),
+    "transformer.h.*.mlp.c_proj": Rowwise(),
+}
+
+# transformers GPT2LMHeadModel: Conv1D layers, q|k|v split by split_size (heads are inferred with -1)
+GPT2_PLAN = {
+    "transformer.h.*.attn": DivideAttrs("split_size", "num_heads"),
+    "transformer.h.*.attn.c_attn": Colwise(parts=3),
+    "transformer.h.*.attn.c_proj": Rowwise(),
+    "transformer.h.*.mlp.c_fc": Colwise(),
+    "transformer.h.*.mlp.c_proj": Rowwise(),
+}
+
+# transformers LlamaForCausalLM: separate q/k/v (heads inferred with -1), gated MLP
+LLAMA_PLAN = {
+    "model.layers.*.self_attn.q_proj": Colwise(),
+    "model.layers.*.self_attn.k_proj": Colwise(),
+    "model.layers.*.self_attn.v_proj": Colwise(),
+    "model.layers.*.self_attn.o_proj": Rowwise(),
+    "model.layers.*.mlp.gate_proj": Colwise(),
+    "model.layers.*.mlp.up_proj": Colwise(),
+    "model.layers.*.mlp.down_proj": Rowwise(),
+}
+
+_BY_CLASS = {"GPT": GPT_PLAN, "GPT2LMHeadModel": GPT2_PLAN, "LlamaForCausalLM": LLAMA_PLAN}
+
+
+def default_plan(model: nn.Module) -> dict:
+    """The plan for ``model``'s class; raises naming the known classes and how to pass a plan otherwise."""
+    plan = _BY_CLASS.get(type(model).__name__)
+    if plan is None:
+        raise ValueError(f"parallel.tensor > 1: no default tensor-parallel plan for {type(model).__name__} (known: "
+                         f"{', '.join(_BY_CLASS)}); pass infinity.initialize(..., tp_plan={{pattern: Colwise() | "
+                         "Rowwise() | DivideAttrs(...)}}) (see infinity.zero.tensor_parallel)")
+    return dict(plan)
