@@ -30,6 +30,7 @@ __all__ = [
     "IOConfig",
     "ScheduleConfig",
     "ParallelConfig",
+    "ZeroPPConfig",
     "LR_SCHEDULES",
     "parse_size",
     "format_size",
@@ -113,6 +114,17 @@ def _int(lo=None, hi=None):
         if (lo is not None and v < lo) or (hi is not None and v > hi):
             rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
             raise ConfigError(f"{key}: expected an integer {rng}, got {v}")
+        return v
+    return parse
+
+
+def _multiple_of(k, lo, hi):
+    inner = _int(lo, hi)
+
+    def parse(v, key):
+        v = inner(v, key)
+        if v % k:
+            raise ConfigError(f"{key}: expected a multiple of {k}, got {v}")
         return v
     return parse
 
@@ -277,6 +289,42 @@ class ScheduleConfig:
 
 
 @dataclass(frozen=True)
+class ZeroPPConfig:
+    """ZeRO++ (Wang et al. 2023): three independent ways to cut stage 3's cross-node traffic.
+
+    Each trades exactness or memory for fewer bytes on the slow links between
+    nodes (see :mod:`infinity.zero.zeropp` and the README's stage guide). The
+    node layout (``ranks_per_node``) also splits the byte counters into
+    intra-node and cross-node bytes, whether or not a technique is on.
+    """
+
+    quantize_weights: bool = _f(
+        False, _bool, "qwZ, stage 3: all-gather parameter shards as int8 with one fp32 scale per block and "
+        "dequantize into the compute dtype (about half of bf16's bytes, a quarter of fp32's); only the gathered "
+        "copy is approximate, master weights and the optimizer stay exact")
+    hierarchical_partition: bool = _f(
+        False, _bool, "hpZ, stage 3: keep a secondary shard of each unit's parameters, sharded over the ranks of "
+        "one node, from its forward to its backward, so the backward all-gather never leaves the node; costs "
+        "2 x params / ranks_per_node bytes (compute dtype) per rank while held")
+    quantize_grads: bool = _f(
+        False, _bool, "qgZ, stages 1-3: reduce-scatter gradients as all-to-alls of block-quantized values "
+        "(grad_bits), intra-node first then across nodes, dequantized before every sum so the error does not "
+        "grow with the ranks; gradients are still accumulated and stored in precision.reduce_dtype")
+    grad_bits: int = _f(8, _choice(8, 4), "qgZ: 8 (int8) or 4 (int4, two values a byte: half the bytes, 16x "
+                        "the rounding error)")
+    block_numel: int = _f(256, _multiple_of(8, 8, 2**20), "values sharing one fp32 scale (qwZ and qgZ), a "
+                          "multiple of 8: smaller = less rounding error, more scale bytes (4 / block_numel a value)")
+    ranks_per_node: Any = _f("auto", _int_or_auto(1), "ranks on one node, consecutive ranks sharing a node: "
+                             "the hpZ/qgZ groups and the intra/cross-node byte split; auto = LOCAL_WORLD_SIZE "
+                             "(torchrun), else every rank on one node")
+
+    @property
+    def enabled(self) -> bool:
+        """Any technique on."""
+        return self.quantize_weights or self.hierarchical_partition or self.quantize_grads
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """How the world is cut into a 2-D ``("dp", "tp")`` mesh (:mod:`infinity.zero.mesh`).
 
@@ -299,6 +347,7 @@ _SECTIONS = {
     "io": IOConfig,
     "schedule": ScheduleConfig,
     "parallel": ParallelConfig,
+    "zeropp": ZeroPPConfig,
 }
 
 
@@ -331,6 +380,7 @@ class Config:
     io: IOConfig = field(default_factory=IOConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
 
     def __post_init__(self):
         self._check_cross_fields()
@@ -419,6 +469,26 @@ class Config:
                               f"{self.optimizer.lr:g}; a decay goes down to min_lr")
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
+        self._check_zeropp()
+
+    def _check_zeropp(self):
+        pp, stage = self.zeropp, self.zero.stage
+        for key, what in (("quantize_weights", "the parameter all-gather"),
+                          ("hierarchical_partition", "the backward parameter all-gather")):
+            if getattr(pp, key) and stage != 3:
+                raise ConfigError(f"zeropp.{key}: needs zero.stage 3 ({what} only exists when parameters are "
+                                  f"sharded), got stage {stage}")
+        if pp.hierarchical_partition and not self.zero.reshard_after_forward:
+            raise ConfigError("zeropp.hierarchical_partition: needs zero.reshard_after_forward true (with false "
+                              "a unit stays gathered for its backward, so there is no backward all-gather to "
+                              "keep inside the node)")
+        if pp.quantize_grads and stage == 0:
+            raise ConfigError("zeropp.quantize_grads: needs zero.stage >= 1 (it quantizes the gradient "
+                              "reduce-scatter; stage 0 all-reduces full gradients)")
+        if pp.quantize_grads and self.precision.param_dtype == "fp16":
+            raise ConfigError("zeropp.quantize_grads: not with precision.param_dtype fp16: loss scaling finds "
+                              "overflow by the inf/nan it leaves in the reduced gradients, which quantization "
+                              "cannot carry; use bf16")
 
     def _check_overlap_backward(self):
         why = None

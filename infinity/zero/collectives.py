@@ -10,6 +10,19 @@ for an all-gather or a reduce-scatter, twice that for an all-reduce).
 process group needed, every collective is a copy (or nothing), and the same
 logical volume is counted so the theory checks read the same at every size.
 
+With a node layout (:meth:`Collectives.set_ranks_per_node`; consecutive
+ranks share a node) the bytes this rank sends are also split into
+``intra_node_bytes`` and ``cross_node_bytes``, counted pairwise: what the
+collective delivers from this rank to each other member of its group, booked
+by whether that member is on this rank's node. An all-gather delivers this
+rank's shard to every other member, a reduce-scatter (or an all-to-all) one
+slice to each, an all-reduce twice that. Summed over the group this equals
+``sent_bytes``; it is the count the ZeRO++ paper uses for cross-node volume,
+and what :mod:`infinity.estimate` predicts. Without a layout every rank is on
+one node: cross-node bytes are 0. :meth:`Collectives.subgroup` makes the same
+collectives over a sub-group (ZeRO++'s intra-node and cross-node groups),
+booking into the same counters.
+
 The torch 2.13 names are used (``all_gather_single``, ``reduce_scatter_single``);
 older torch falls back to ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
 """
@@ -42,9 +55,15 @@ class CommCounters:
     bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     sent_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     received_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    # pairwise bytes this rank delivers to other members, by where they are (see the module doc)
+    intra_node_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
+    cross_node_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     wait_s: float = 0.0
 
-    def add(self, kind: str, numel: int, itemsize: int, ring_fraction: float) -> None:
+    def add(self, kind: str, numel: int, itemsize: int, ring_fraction: float, peer_bytes: int = 0,
+            peers: tuple = (0, 0)) -> None:
+        """One call of ``kind`` on a buffer of ``numel`` elements; ``peer_bytes`` delivered to each of
+        ``peers`` = (other members on this node, members on other nodes)."""
         self.calls[kind] += 1
         self.elements[kind] += numel
         self.volume_elements[kind] += 2 * numel if kind == "all_reduce" else numel
@@ -52,10 +71,12 @@ class CommCounters:
         moved = int(round(numel * itemsize * ring_fraction))
         self.sent_bytes[kind] += moved
         self.received_bytes[kind] += moved
+        self.intra_node_bytes[kind] += peer_bytes * peers[0]
+        self.cross_node_bytes[kind] += peer_bytes * peers[1]
 
     def reset(self) -> None:
         for d in (self.calls, self.elements, self.volume_elements, self.bytes, self.sent_bytes,
-                  self.received_bytes):
+                  self.received_bytes, self.intra_node_bytes, self.cross_node_bytes):
             for k in d:
                 d[k] = 0
         self.wait_s = 0.0
@@ -65,6 +86,7 @@ class CommCounters:
             "calls": dict(self.calls), "elements": dict(self.elements),
             "volume_elements": dict(self.volume_elements), "bytes": dict(self.bytes),
             "sent_bytes": dict(self.sent_bytes), "received_bytes": dict(self.received_bytes),
+            "intra_node_bytes": dict(self.intra_node_bytes), "cross_node_bytes": dict(self.cross_node_bytes),
             "wait_s": self.wait_s,
         }
 
@@ -97,26 +119,45 @@ def _finish(work, counters: CommCounters, then, async_op: bool) -> Pending:
 
 
 class Collectives:
-    """The data-parallel process group; one instance per engine."""
+    """The data-parallel process group; one instance per engine (and one per ZeRO++ sub-group)."""
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, counters: CommCounters | None = None, ranks_per_node: int | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Collectives needs torch.distributed initialized; use LocalCollectives at world size 1")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
-        self.counters = CommCounters()
+        self.counters = counters if counters is not None else CommCounters()
+        # global ranks of the group's members, in group-rank order
+        self.members = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        self.global_rank = self.members[self.rank]
+        self.set_ranks_per_node(ranks_per_node or dist.get_world_size())
+
+    def set_ranks_per_node(self, ranks_per_node: int) -> None:
+        """Consecutive global ranks share a node, ``ranks_per_node`` of them; sets the byte split."""
+        self.ranks_per_node = ranks_per_node
+        node = self.global_rank // ranks_per_node
+        others = [m for m in self.members if m != self.global_rank]
+        intra = sum(1 for m in others if m // ranks_per_node == node)
+        self._peers = (intra, len(others) - intra)
+
+    def subgroup(self, group) -> "Collectives":
+        """The same collectives over ``group`` (this rank a member), booking into the same counters."""
+        return Collectives(group, self.counters, self.ranks_per_node)
 
     def _ring(self, times: int = 1) -> float:
         return times * (self.world_size - 1) / self.world_size
+
+    def _add(self, kind: str, t: torch.Tensor, ring_times: int, peer_bytes: int) -> None:
+        self.counters.add(kind, t.numel(), t.element_size(), self._ring(ring_times), peer_bytes, self._peers)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, then=None) -> Pending:
         """``full`` (N * shard numel) <- every rank's ``shard``, in rank order."""
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(f"all_gather: full buffer has {full.numel()} elements, expected "
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
-        self.counters.add("all_gather", full.numel(), full.element_size(), self._ring())
+        self._add("all_gather", full, 1, shard.numel() * shard.element_size())
         work = _all_gather(full, shard, group=self.group, async_op=async_op)
         return _finish(work if async_op else None, self.counters, then, async_op)
 
@@ -126,28 +167,39 @@ class Collectives:
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
-        self.counters.add("reduce_scatter", full.numel(), full.element_size(), self._ring())
+        self._add("reduce_scatter", full, 1, shard.numel() * full.element_size())
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         work = _reduce_scatter(shard, full, op=op, group=self.group, async_op=async_op)
         return _finish(work if async_op else None, self.counters, then, async_op)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "reduce_scatter", async_op: bool = False,
+                   then=None) -> Pending:
+        """Row i of ``inp`` (shape [group size, row]) goes to member i; ``out`` row j came from member j.
+        Booked as ``kind``: ZeRO++'s quantized reduce-scatter is made of these."""
+        if inp.shape[0] != self.world_size or out.shape != inp.shape:
+            raise ValueError(f"all_to_all: expected [{self.world_size}, row] in and out, got {tuple(inp.shape)} "
+                             f"and {tuple(out.shape)} (rank {self.rank})")
+        self._add(kind, inp, 1, inp[0].numel() * inp.element_size())
+        work = dist.all_to_all_single(out, inp, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op)
+
     def all_reduce(self, tensor: torch.Tensor, average: bool = True, async_op: bool = False, then=None) -> Pending:
-        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         return _finish(work if async_op else None, self.counters, then, async_op)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Small control all-reduce (overflow flags); counted like any other."""
-        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        self.counters.add("all_reduce", tensor.numel(), tensor.element_size(), self._ring(2))
+        self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.counters.add("broadcast", tensor.numel(), tensor.element_size(), self._ring())
+        self._add("broadcast", tensor, 1, _slice_bytes(tensor, self.world_size))
         dist.broadcast(tensor, group_src=src, group=self.group)   # src: a rank of this group
 
     def all_gather_object(self, obj) -> list:
@@ -164,16 +216,36 @@ class Collectives:
         return flag.item() == 0
 
 
+def _slice_bytes(t: torch.Tensor, n: int) -> int:
+    """Bytes of one member's slice of ``t`` (a ring moves this much per peer, per pass)."""
+    return t.numel() * t.element_size() // n
+
+
 class LocalCollectives:
     """World size 1, no process group: same API, same logical volume counted, nothing sent."""
 
     rank = 0
+    global_rank = 0
     world_size = 1
     backend = "local"
     group = None
+    members = [0]
+    ranks_per_node = 1
 
     def __init__(self):
         self.counters = CommCounters()
+
+    def set_ranks_per_node(self, ranks_per_node: int) -> None:
+        pass   # one rank: nothing to split
+
+    def subgroup(self, group) -> "LocalCollectives":
+        return self
+
+    def all_to_all(self, out, inp, kind="reduce_scatter", async_op=False, then=None) -> Pending:
+        self.counters.add(kind, inp.numel(), inp.element_size(), 0.0)
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return _finish(None, self.counters, then, async_op)
 
     def all_gather(self, full, shard, async_op=False, then=None) -> Pending:
         self.counters.add("all_gather", full.numel(), full.element_size(), 0.0)

@@ -68,6 +68,7 @@ from infinity.zero.tp_norm import TensorParallelNorm
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
 from infinity.zero.units import TensorClass, UnitShard, check_structure, group_index, plan_units, shard_align_numel
 from infinity.zero.update import ShardUpdate
+from infinity.zero.zeropp import ZeroPlusPlus
 
 __all__ = ["ZeroEngine", "DTYPES"]
 
@@ -130,8 +131,10 @@ class ZeroEngine:
             dynamic = config.precision.loss_scale == "dynamic"
             scale = config.precision.initial_loss_scale if dynamic else config.precision.loss_scale
             self.loss_scaler = LossScaler(scale, dynamic, config.precision.loss_scale_window)
+        self.zeropp = ZeroPlusPlus(config.zeropp, self.coll, self.stage)   # node layout; ZeRO++ if switched on
         self.grads = GradReducer(self.units, self.stage, self.coll, self.reduce_dtype, self.device,
-                                 config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None)
+                                 config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
+                                 zeropp=self.zeropp)
         if self.tp is not None:
             tp_norm = TensorParallelNorm(self.units, self.tp, self.shard_rank)
             self.grads.square_sum = tp_norm.square_sum
@@ -145,7 +148,7 @@ class ZeroEngine:
                 self._lent = LentCopies(self.store)
             self.update = ShardUpdate(self, config.optimizer)
             self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
-                                       self.reshard_after_forward, self.rank)
+                                       self.reshard_after_forward, self.rank, self.zeropp)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
             self._finalizer = weakref.finalize(self, _release, self.update.pipeline, self.update.adam, self.store)
@@ -400,7 +403,8 @@ class ZeroEngine:
 
     def resident_bytes(self) -> dict:
         """Bytes this rank holds in memory now, by class: params, grads, optimizer (each storage counted
-        once; stored shards excluded), plus, with a store, its bytes per tier under ``store``."""
+        once; stored shards excluded), plus, with a store, its bytes per tier under ``store``, and with
+        ZeRO++'s hpZ the secondary parameter shards under ``secondary_params``."""
         seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
         kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
 
@@ -420,6 +424,7 @@ class ZeroEngine:
                 if u.shard is not None and u.shard.has(cls) and u.shard.key(cls) is None:
                     count(kinds.get(cls, "optimizer"), u.shard.get(cls))
         count("grads", self.grads.arena)
+        out.update(self.zeropp.resident_bytes())
         if self.store is not None:
             out["store"] = self.store.stats()["tier_bytes"]
         return out

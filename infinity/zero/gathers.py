@@ -8,6 +8,12 @@ the store). Gathered bytes are capped by ``prefetch.max_live_bytes``
 (:mod:`infinity.zero.live_units`): a gather for use releases units gathered
 ahead or kept for backward first, a gather ahead only starts if it fits.
 
+ZeRO++ (:mod:`infinity.zero.zeropp`) changes how a gather moves bytes, not
+when it happens: with qwZ the shard travels block-quantized, with hpZ a
+unit's backward gather reads the secondary shards its forward left inside the
+node (kept in :meth:`UnitGathers.after_forward`, dropped in
+:meth:`UnitGathers.release_all` at the end of backward).
+
 The recorded unit order (the engine's :class:`TracePrefetcher`) drives both
 kinds of prefetch: the stored shards of the next units are brought toward the
 device within ``prefetch.bytes``, and the next unit's all-gather starts early.
@@ -43,10 +49,12 @@ class UnitGathers:
     """Gather / release of the engine's units. ``update`` says which units the running (overlapped)
     update is writing, which must not be gathered, and waits for host room it holds."""
 
-    def __init__(self, units: list, coll, live, prefetcher, update, tracer, reshard_after_forward: bool, rank: int):
+    def __init__(self, units: list, coll, live, prefetcher, update, tracer, reshard_after_forward: bool, rank: int,
+                 zeropp=None):
         self.units, self.coll, self.live, self.prefetcher = units, coll, live, prefetcher
         self.update, self.tracer = update, tracer
         self.reshard_after_forward, self.rank = reshard_after_forward, rank
+        self.zeropp = zeropp   # ZeroPlusPlus: how the bytes move (plain, quantized, or inside the node)
 
     def gather(self, unit, wait: bool = True) -> None:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
@@ -57,10 +65,13 @@ class UnitGathers:
             self.live.gathering(unit.index)
             full = unit.full_param
             full.untyped_storage().resize_(unit.padded_numel * full.element_size())
-            # the collective writes the buffer behind autograd's back; without this the
-            # version bump would make saved parameters look modified in-place to backward
-            with torch.autograd._unsafe_preserve_version_counter(full):
-                pending = self.coll.all_gather(full, src, async_op=True)
+            if self.zeropp is not None:
+                pending = self.zeropp.all_gather(unit, full, src)   # preserves the version counter too
+            else:
+                # the collective writes the buffer behind autograd's back; without this the
+                # version bump would make saved parameters look modified in-place to backward
+                with torch.autograd._unsafe_preserve_version_counter(full):
+                    pending = self.coll.all_gather(full, src, async_op=True)
             unit.gather = _Gather(pending, done, time.perf_counter())
         if wait and unit.state is UnitState.GATHERING:
             g, unit.gather = unit.gather, None
@@ -84,8 +95,12 @@ class UnitGathers:
             self.live.set_use(unit.index, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
 
     def release_all(self) -> None:
+        """Release every unit; the end of a backward (or of a pass that will have none): hpZ's secondary
+        shards, kept for this backward, are dropped too."""
         for unit in self.units:
             self.release(unit)
+        if self.zeropp is not None:
+            self.zeropp.drop_secondaries()
 
     def acquire(self, unit) -> None:
         """Gather ``unit`` for use now (its forward or backward; the root's whole step). It stays in use,
@@ -102,6 +117,8 @@ class UnitGathers:
         """A unit's forward is done: release it (``reshard_after_forward``), or keep it gathered for its
         backward, where the cap may release it (its backward then gathers it again)."""
         if self.reshard_after_forward:
+            if self.zeropp is not None and unit.state is UnitState.GATHERED:
+                self.zeropp.keep_secondary(unit)   # hpZ: the backward gathers inside the node
             self.release(unit)
         elif unit.state is not UnitState.SHARDED:
             self.live.set_use(unit.index, UnitUse.KEPT)

@@ -56,8 +56,9 @@ class GradReducer:
     ``with_room(attempt)`` runs a store operation that may wait for host room."""
 
     def __init__(self, engine_units: list, stage: int, coll, reduce_dtype: torch.dtype, device,
-                 bucket_bytes: int, shard_rank: int, fp16: bool):
+                 bucket_bytes: int, shard_rank: int, fp16: bool, zeropp=None):
         self.units, self.stage, self.coll = engine_units, stage, coll
+        self.zeropp = zeropp   # ZeroPlusPlus: qgZ's quantized reduce-scatter when on
         self.reduce_dtype, self.device, self.shard_rank = reduce_dtype, device, shard_rank
         self.fp16 = fp16
         self.arena: torch.Tensor | None = None
@@ -142,12 +143,18 @@ class GradReducer:
             self._launch_ready_buckets()
         elif self.stage >= 2:
             out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            self._inflight.append(self.coll.reduce_scatter(
-                out, unit.full_grad, average=True, async_op=True,
-                then=lambda unit=unit, out=out: self._fold(unit, out)))
+            self._inflight.append(self._reduce_scatter(
+                unit, out, then=lambda unit=unit, out=out: self._fold(unit, out)))
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popleft().wait()
         self.on_launched(unit)
+
+    def _reduce_scatter(self, unit, out: torch.Tensor, then):
+        """Launch ``out`` <- this rank's shard of the mean of every rank's ``unit.full_grad``: plain, or
+        qgZ's quantized all-to-alls (:mod:`infinity.zero.zeropp`); ``then`` runs when it is waited on."""
+        if self.zeropp is not None and self.zeropp.quantize_grads:
+            return self.zeropp.reduce_scatter(unit, out, unit.full_grad, then)
+        return self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True, then=then)
 
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
@@ -218,9 +225,8 @@ class GradReducer:
             pending = collections.deque()
             for unit in self.units:
                 out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                pending.append(self.coll.reduce_scatter(
-                    out, unit.full_grad, average=True, async_op=True,
-                    then=lambda unit=unit, out=out: unit.shard.get(TensorClass.GRAD).copy_(out)))
+                pending.append(self._reduce_scatter(
+                    unit, out, then=lambda unit=unit, out=out: unit.shard.get(TensorClass.GRAD).copy_(out)))
                 while len(pending) > MAX_INFLIGHT:
                     pending.popleft().wait()
             while pending:

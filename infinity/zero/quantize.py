@@ -63,61 +63,63 @@ class BlockQuantizer:
     def payload_bytes(self, numel: int) -> int:
         return payload_bytes(numel, self.bits, self.block_numel)
 
-    def quantize(self, x: torch.Tensor, out: torch.Tensor | None = None, what: str = "tensor") -> torch.Tensor:
-        """``x`` (any float dtype, flattened) -> its wire row (uint8, :meth:`payload_bytes` long).
+    def quantize(self, x: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+        """``x`` (any float dtype) -> its wire row (uint8, :meth:`payload_bytes` long).
 
-        Written into ``out`` if given (e.g. a row of a send buffer). Raises
-        :class:`QuantizationError` naming ``what`` and the block if ``x`` holds inf or nan.
+        A 2-D ``x`` is a batch: each row is quantized on its own and the result is
+        ``[rows, payload_bytes(columns)]`` (one wire row per destination of an all-to-all).
+        Raises :class:`QuantizationError` naming ``what`` and the block if ``x`` holds inf or nan.
         """
-        flat = x.reshape(-1)
-        numel = flat.numel()
+        batch = x.dim() == 2
+        v = x.float().reshape(x.shape[0] if batch else 1, -1)
+        rows, numel = v.shape
         blocks = math.ceil(numel / self.block_numel)
-        v = flat.float()
         if blocks * self.block_numel != numel:
             v = torch.nn.functional.pad(v, (0, blocks * self.block_numel - numel))
-        v = v.view(blocks, self.block_numel)
-        absmax = v.abs().amax(dim=1)
+        v = v.reshape(rows, blocks, self.block_numel)
+        absmax = v.abs().amax(dim=2)
         if not bool(torch.isfinite(absmax).all()):
-            bad = int((~torch.isfinite(absmax)).nonzero()[0, 0])
+            row, bad = (int(i) for i in (~torch.isfinite(absmax)).nonzero()[0])
+            where = f"row {row}, " if batch else ""
             raise QuantizationError(
-                f"cannot quantize {what}: block {bad} (values {bad * self.block_numel}.."
+                f"cannot quantize {what}: {where}block {bad} (values {bad * self.block_numel}.."
                 f"{min(numel, (bad + 1) * self.block_numel) - 1}) holds inf or nan; a block scale cannot carry "
                 "a non-finite value (look for a diverged loss, or turn off zeropp quantization)")
         scale = absmax / self.qmax
         # a zero block keeps scale 0 (its values are all 0 anyway); divide by 1 instead of 0
-        q = torch.round(v / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1))
-        q = q.clamp_(-self.qmax, self.qmax).to(torch.int8)
+        q = torch.round(v / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(2))
+        q = q.clamp_(-self.qmax, self.qmax).to(torch.int8).reshape(rows, -1)
         data_bytes = blocks * self.block_numel * self.bits // 8
-        if out is None:
-            out = torch.empty(data_bytes + blocks * SCALE_BYTES, dtype=torch.uint8, device=x.device)
-        elif out.numel() != data_bytes + blocks * SCALE_BYTES or out.dtype != torch.uint8:
-            raise ValueError(f"quantize: out must be {data_bytes + blocks * SCALE_BYTES} uint8, "
-                             f"got {out.numel()} {out.dtype}")
+        out = torch.empty(rows, data_bytes + blocks * SCALE_BYTES, dtype=torch.uint8, device=x.device)
         if self.bits == 8:
-            out[:data_bytes].copy_(q.view(-1).view(torch.uint8))
+            out[:, :data_bytes].copy_(q.view(torch.uint8))
         else:
-            nib = (q.view(-1, 2).to(torch.int16) + 8).to(torch.uint8)   # -7..7 -> 1..15
-            out[:data_bytes].copy_(nib[:, 0] | (nib[:, 1] << 4))
-        out[data_bytes:].copy_(scale.view(torch.uint8))
-        return out
+            nib = (q.reshape(rows, -1, 2).to(torch.int16) + 8).to(torch.uint8)   # -7..7 -> 1..15
+            out[:, :data_bytes].copy_(nib[..., 0] | (nib[..., 1] << 4))
+        out[:, data_bytes:].copy_(scale.contiguous().view(torch.uint8))
+        return out if batch else out[0]
 
     def dequantize(self, row: torch.Tensor, numel: int, out: torch.Tensor | None = None,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A wire row -> ``numel`` values in ``dtype`` (into ``out`` if given, which sets the dtype)."""
+        """A wire row -> ``numel`` values in ``dtype`` (into ``out`` if given, whose dtype wins).
+        A 2-D ``row`` is a batch of rows -> ``[rows, numel]``."""
+        batch = row.dim() == 2
+        rows = row.reshape(row.shape[0] if batch else 1, -1)
         blocks = math.ceil(numel / self.block_numel)
         data_bytes = blocks * self.block_numel * self.bits // 8
-        if row.numel() != data_bytes + blocks * SCALE_BYTES:
+        if rows.shape[1] != data_bytes + blocks * SCALE_BYTES:
             raise ValueError(f"dequantize: a row of {numel} values is {data_bytes + blocks * SCALE_BYTES} bytes, "
-                             f"got {row.numel()}")
-        scale = row[data_bytes:].view(torch.float32)   # the row's bytes are 4-aligned: data_bytes is
-        data = row[:data_bytes]
+                             f"got {rows.shape[1]}")
+        scale = rows[:, data_bytes:].contiguous().view(torch.float32)      # [rows, blocks]
+        data = rows[:, :data_bytes]
         if self.bits == 8:
-            q = data.view(torch.int8).float()
+            q = data.contiguous().view(torch.int8).float()
         else:
             lo = (data & 0x0F).to(torch.int16) - 8
             hi = (data >> 4).to(torch.int16) - 8
-            q = torch.stack((lo, hi), dim=1).view(-1).float()
-        v = (q.view(blocks, self.block_numel) * scale.unsqueeze(1)).view(-1)[:numel]
+            q = torch.stack((lo, hi), dim=2).reshape(rows.shape[0], -1).float()
+        v = (q.view(rows.shape[0], blocks, self.block_numel) * scale.unsqueeze(2)).reshape(rows.shape[0], -1)
+        v = v[:, :numel] if batch else v[0, :numel]
         if out is None:
             return v.to(dtype)
         out.copy_(v.view(out.shape))
