@@ -37,14 +37,13 @@ def _train(spec: dict) -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         pinned = None
-        if getattr(engine, "store", None) is not None:
+        if engine.store is not None:
             key = next(k for k in engine.store.keys() if k.endswith(".exp_avg"))
             pinned = engine.store.wait(engine.store.bring(key, "host")).is_pinned()
         with engine.gathered():
             params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     finally:
-        if hasattr(engine, "store"):
-            engine.close()
+        engine.close()
     return {"losses": losses, "params": params, "pinned": pinned}
 
 

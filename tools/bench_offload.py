@@ -248,8 +248,7 @@ for step in range(args["steps"] + 1):
     if step:
         times.append(time.perf_counter() - t0)
     stats.append(engine.stats.last_step)
-if hasattr(engine, "store"):
-    engine.close()
+engine.close()
 med = lambda xs: sorted(xs)[len(xs) // 2]
 phases = {k: med([s[k] for s in stats[1:]]) for k in ("forward_s", "backward_s", "step_s")}
 print(json.dumps({"numel": numel, "step_s": med(times), "times": times, "phases": phases,

@@ -57,7 +57,6 @@ def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
 
 def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     import infinity
-    from infinity.trace import Tracer
 
     torch.manual_seed(plan.seed)   # same initial weights on every rank (initialize also broadcasts rank 0's)
     config = Config.from_dict(plan.config)
@@ -74,14 +73,9 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
         engine.close()
         raise
 
-    # An engine with a tracer of its own (the offload engine) records its I/O and collectives there and
-    # steps it in optimizer.step(); ours then joins it. Otherwise the loop owns one and steps it itself.
-    tracer = getattr(engine, "tracer", None)
-    owns_tracer = tracer is None
-    if owns_tracer:
-        if world_size > 1:
-            dist.barrier()   # the ranks' tracer clocks start together, so their lanes line up in one trace
-        tracer = Tracer(rank)
+    # The engine records its I/O, collectives and update into its tracer and steps it in optimizer.step();
+    # the loop's forward / backward / optimizer spans join the same trace.
+    tracer = engine.tracer
     tracer.record_step(plan.trace_step if plan.trace else None)
     report = Reporter(plan, rank, engine, num_params) if rank == 0 else None
     tokens_per_step = plan.batch_size * plan.seq_len
@@ -89,8 +83,6 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     interrupted, steps_done, saved_at = False, plan.start_step, plan.start_step
     try:
         for step in range(plan.start_step, plan.steps):
-            if owns_tracer:
-                tracer.begin_step()
             t0 = time.perf_counter()
             extra = {"lr": optimizer.param_groups[0]["lr"]}
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -102,8 +94,8 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
                 with tracer.span("backward", step=step, micro=micro):
                     (loss / plan.accum).backward()
                 loss_sum += loss.detach().float()
-            # (an engine that steps its own tracer ends the recording inside step(): this span is then
-            # dropped, and the engine's own optimizer events stand for it)
+            # (the engine ends the recording inside step(): this span is then dropped, and the
+            # engine's own optimizer events stand for it)
             with tracer.span("optimizer", step=step):
                 if clip is not None:
                     extra["grad_norm"] = float(optimizer.clip_grad_norm_(clip))
@@ -112,8 +104,6 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
             scheduler.step()
             loss_mean, stop_now = _mean_and_stop(loss_sum / plan.accum, stop, world_size, device)
             step_s = time.perf_counter() - t0
-            if owns_tracer:
-                tracer.end_step()
             steps_done = step + 1
             if not math.isfinite(loss_mean):
                 # the mean over ranks: every rank sees it and stops here, none is left in a collective

@@ -94,7 +94,7 @@ def engine_metrics(engine, step_s: float) -> dict:
     ``stall_pct``: share of the step the compute thread waited on collectives
     and on the store (``comm_wait_s`` + ``io_wait_s``).
     """
-    last = getattr(engine.stats, "last_step", {}) or {}
+    last = engine.stats.last_step
     out = {}
     for key in ("forward_s", "backward_s", "comm_wait_s"):
         if key in last:

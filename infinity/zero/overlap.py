@@ -1,7 +1,7 @@
 """``optimizer.overlap_backward``: each unit's optimizer update starts during backward.
 
 At stage >= 2 a unit's gradient shard is final once its reduce-scatter has been
-folded into it (:meth:`OffloadEngine._accumulate_reduced`), provided the step has
+folded into it (:class:`~infinity.zero.grads.GradReducer`), provided the step has
 a single backward. From then on nothing in that backward reads or writes the
 unit's shards, so its Adam update (swap-in of master / moments / gradient, CPU
 Adam, write-back) can run on the pipeline threads while backward goes on with
