@@ -53,7 +53,9 @@ def train_tp_case(spec: dict) -> dict:
         loss = _loss(model, ids)
         loss.backward()
         total = loss.detach().float().clone()
-        engine.coll.all_reduce(total) if dp > 1 else None   # mean over dp rows
+        if dp > 1:   # mean over dp rows (not through the engine's collectives: they count its bytes)
+            dist.all_reduce(total, group=engine.coll.group)
+            total /= dp
         losses.append(total.item())
         if spec.get("clip"):
             norms.append(float(opt.clip_grad_norm_(spec["clip"])))
