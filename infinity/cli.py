@@ -42,13 +42,17 @@ def _add_estimate(sub) -> None:
                    help="state bytes per param: mixed = 2+2+12, fp32 = 4+4+8 "
                         "(default: from --config's precision.param_dtype, else mixed)")
     p.add_argument("--config", metavar="FILE", help="also estimate this config's stage, offload and dtypes")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                   help="ranks on one node, for the ZeRO++ rows' cross-node bytes (default: --config's "
+                        "zeropp.ranks_per_node if set, else 8, at most --devices)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_estimate)
 
 
 def _run_estimate(args) -> int:
     from infinity.config import Config
-    from infinity.estimate import count_params, estimate_all, estimate_config, parse_param_count
+    from infinity.estimate import (ZEROPP_ROWS, ZeroPPSwitches, count_params, estimate_all, estimate_config,
+                                   parse_param_count, zeropp_rows)
 
     if args.devices < 1:
         raise UsageError(f"--devices must be >= 1, got {args.devices}")
@@ -72,9 +76,24 @@ def _run_estimate(args) -> int:
     rows = estimate_all(num_params, args.devices, precision)
     if config is not None:
         rows.append(estimate_config(config, num_params, args.devices))
+    per_node = args.ranks_per_node
+    if per_node is None:
+        given = config.zeropp.ranks_per_node if config is not None else "auto"
+        per_node = given if given != "auto" else min(8, args.devices)
+    if per_node < 1 or args.devices % per_node:
+        raise UsageError(f"--ranks-per-node: {per_node} must be >= 1 and divide --devices {args.devices}")
+    pp_switches = ZEROPP_ROWS
+    if config is not None and config.zeropp.enabled:
+        c = config.zeropp
+        pp_switches += (ZeroPPSwitches(c.quantize_weights, c.hierarchical_partition, c.quantize_grads,
+                                       c.grad_bits, c.block_numel),)
+    pp_rows = zeropp_rows(num_params, args.devices, per_node, precision, pp_switches)
+    if config is not None and config.zeropp.enabled:
+        pp_rows[-1]["name"] = f"config ({args.config})"
     if args.json:
         out = {"num_params": num_params, "world_size": args.devices, "precision": precision,
-               "model": args.model, "config": args.config, "estimates": [e.to_dict() for e in rows]}
+               "model": args.model, "config": args.config, "estimates": [e.to_dict() for e in rows],
+               "ranks_per_node": per_node, "zeropp": pp_rows}
         print(json.dumps(out, indent=2))
         return 0
 
@@ -93,7 +112,28 @@ def _run_estimate(args) -> int:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print("not counted: activations, gathered stage-3 working set, buffers; host/nvme are per rank")
+    _print_zeropp(pp_rows, args.devices, per_node)
     return 0
+
+
+def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
+    """The ZeRO++ table: stage 3 with each technique, bytes per rank per step inside and across nodes."""
+    print(f"\nZeRO++ at stage 3, {devices // per_node} node(s) x {per_node} ranks; bytes per rank per step "
+          "(pairwise: what this rank delivers to others)")
+    table = [("strategy", "device", "intra-node", "cross-node", "cross vs zero3")]
+    for r in rows:
+        table.append((r["name"], _size(r["device_bytes"]), _size(r["intra_node_bytes"]), _size(r["cross_node_bytes"]),
+                      f"{r['cross_vs_zero3']:.3f}" if rows[0]["cross_node_bytes"] else "-"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if devices == per_node:
+        print("one node: nothing crosses a node, ZeRO++ saves nothing here (pass --ranks-per-node)")
+    else:
+        print("hpZ's device bytes include its secondary shard (params / ranks per node), held from forward to the "
+              "end of backward")
 
 
 def _size(n_bytes: int) -> str:

@@ -58,6 +58,7 @@ import torch.nn as nn
 __all__ = [
     "StateBytes", "MIXED", "FP32", "Placement", "STRATEGIES", "MemoryEstimate", "CommEstimate", "Estimate",
     "estimate", "estimate_all", "estimate_config", "parse_param_count", "count_params",
+    "ZeroPPSwitches", "ZEROPP_ROWS", "zeropp_comm", "zeropp_rows",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -263,3 +264,101 @@ def count_params(model: nn.Module | Callable[[], nn.Module]) -> int:
         if not isinstance(model, nn.Module):
             raise TypeError(f"count_params: the builder returned {type(model).__name__}, not an nn.Module")
     return sum(p.numel() for p in model.parameters())  # parameters() yields each shared tensor once
+
+
+# ---------------------------------------------------------------- ZeRO++ (cross-node volume)
+
+@dataclass(frozen=True)
+class ZeroPPSwitches:
+    """Which ZeRO++ techniques are on (``zeropp`` config section), for :func:`zeropp_comm`."""
+
+    quantize_weights: bool = False
+    hierarchical: bool = False
+    quantize_grads: bool = False
+    grad_bits: int = 8
+    block_numel: int = 256
+
+    @property
+    def label(self) -> str:
+        on = [n for n, v in (("qwZ", self.quantize_weights), ("hpZ", self.hierarchical),
+                             ("qgZ", self.quantize_grads)) if v]
+        int4 = " int4" if self.quantize_grads and self.grad_bits == 4 else ""
+        return "+".join(on) + int4 if on else "plain stage 3"
+
+
+ZEROPP_ROWS: tuple[ZeroPPSwitches, ...] = (
+    ZeroPPSwitches(),
+    ZeroPPSwitches(quantize_weights=True),
+    ZeroPPSwitches(hierarchical=True),
+    ZeroPPSwitches(quantize_grads=True),
+    ZeroPPSwitches(quantize_grads=True, grad_bits=4),
+    ZeroPPSwitches(True, True, True),
+    ZeroPPSwitches(True, True, True, grad_bits=4),
+)
+
+
+def zeropp_comm(num_params: int, world_size: int, ranks_per_node: int, switches: ZeroPPSwitches,
+                param_bytes: int = 2, reduce_bytes: int = 2, backward_numel: int | None = None) -> dict:
+    """Bytes one stage-3 rank delivers per step to ranks on its own node and on other nodes.
+
+    ``{"forward_gather" | "backward_gather" | "grad_reduce": {"intra": B, "cross": B}}``, counted
+    pairwise as :class:`infinity.zero.collectives.CommCounters` counts them: an all-gather delivers
+    this rank's shard (or its quantized wire row) to every other member; a reduce-scatter one slice
+    to each. With n ranks, k a node, m = n / k nodes and shards of S = Ψ / n elements:
+
+    - forward gather: (k-1) and (n-k) copies of S·param_bytes, or of S int8 values + a 4-byte scale
+      per block with qwZ;
+    - backward gather: the same over ``backward_numel`` (default Ψ; the engine keeps its root unit
+      gathered through backward, so it passes Ψ − Ψ_root); with hpZ it runs over the node's k
+      ranks from slices of Ψ/k, so it moves (k-1)·Ψ/k·param_bytes inside the node and nothing across;
+    - gradient reduce-scatter: (k-1) and (n-k) slices of S·reduce_bytes; with qgZ an intra-node
+      all-to-all of m·S quantized values to each of k-1 node-mates, then one of S quantized node sums
+      to each of m-1 other nodes: the cross-node part shrinks by k (node sums) and by the quantization.
+    """
+    from infinity.zero.quantize import payload_bytes
+
+    n, k = world_size, ranks_per_node
+    if k < 1 or n % k:
+        raise ValueError(f"zeropp_comm: ranks_per_node {k} must divide the world size {n}")
+    m = n // k
+    sw = switches
+
+    def gather(numel: int) -> dict:
+        shard = math.ceil(numel / n)
+        row = payload_bytes(shard, 8, sw.block_numel) if sw.quantize_weights else shard * param_bytes
+        return {"intra": (k - 1) * row, "cross": (n - k) * row}
+
+    bwd = num_params if backward_numel is None else backward_numel
+    if sw.hierarchical:
+        backward = {"intra": (k - 1) * math.ceil(bwd / k) * param_bytes, "cross": 0}
+    else:
+        backward = gather(bwd)
+    shard = math.ceil(num_params / n)
+    if sw.quantize_grads:
+        grads = {"intra": (k - 1) * payload_bytes(m * shard, sw.grad_bits, sw.block_numel) if k > 1 else 0,
+                 "cross": (m - 1) * payload_bytes(shard, sw.grad_bits, sw.block_numel)}
+    else:
+        grads = {"intra": (k - 1) * shard * reduce_bytes, "cross": (n - k) * shard * reduce_bytes}
+    return {"forward_gather": gather(num_params), "backward_gather": backward, "grad_reduce": grads}
+
+
+def zeropp_rows(num_params: int, world_size: int, ranks_per_node: int, precision: str = "mixed",
+                rows: tuple = ZEROPP_ROWS) -> list[dict]:
+    """``infinity estimate``'s ZeRO++ table: per technique, device bytes per rank (hpZ's secondary shard
+    included: held from forward to the end of backward), bytes per step inside and across nodes, and the
+    cross-node volume against plain ZeRO-3's."""
+    state = _PRECISIONS[precision]
+    comm_bytes = 4 if precision == "fp32" else 2
+    base = estimate(num_params, world_size, Placement("zero3", 3), precision)
+    out, plain_cross = [], None
+    for sw in rows:
+        comm = zeropp_comm(num_params, world_size, ranks_per_node, sw, comm_bytes, comm_bytes)
+        intra = sum(c["intra"] for c in comm.values())
+        cross = sum(c["cross"] for c in comm.values())
+        plain_cross = cross if plain_cross is None else plain_cross
+        secondary = math.ceil(num_params / ranks_per_node) * state.param if sw.hierarchical else 0
+        out.append({"name": sw.label,
+                    "switches": asdict(sw), "device_bytes": base.memory.device_bytes + secondary,
+                    "secondary_param_bytes": secondary, "intra_node_bytes": intra, "cross_node_bytes": cross,
+                    "cross_vs_zero3": cross / plain_cross if plain_cross else 0.0, "phases": comm})
+    return out
