@@ -208,6 +208,9 @@ class ZeroConfig:
         (), _str_list, "module class names that each become a unit; empty = children of the largest ModuleList")
     bucket_bytes: int = _f(
         25 * 2**20, _size, "stage 0: gradient all-reduce bucket size (bigger = fewer calls, later overlap)")
+    activation_checkpointing: bool = _f(
+        False, _bool, "recompute each unit's activations in backward instead of keeping them from forward: "
+        "activation memory falls to the units' inputs, at the cost of one more forward per unit")
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,8 @@ def reference_run(spec: dict, build=None, before_step=None) -> dict:
 def config_for(spec: dict) -> dict:
     return {
         "zero": {"stage": spec["stage"], "reshard_after_forward": spec.get("reshard", True),
-                 "bucket_bytes": spec.get("bucket_bytes", 16 * 1024)},
+                 "bucket_bytes": spec.get("bucket_bytes", 16 * 1024),
+                 "activation_checkpointing": spec.get("checkpointing", False)},
         "precision": {"param_dtype": spec.get("dtype", "fp32"), "reduce_dtype": spec.get("reduce", "fp32")},
         "optimizer": {"lr": spec["lr"], "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
     }

@@ -158,7 +158,7 @@ class ZeroEngine:
             self.grads.on_launched = self._after_reduce_launched
             self.grads.on_folded = self.update.unit_final
             self.grads.with_room = self.update.with_room
-            self._handles = hooks.install(self, model)
+            self._handles = hooks.install(self, model, config.zero.activation_checkpointing)
         except BaseException:
             self.close()
             raise

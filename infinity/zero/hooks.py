@@ -15,7 +15,15 @@
 - per-parameter post-accumulate-grad hook: moves ``.grad`` into the unit's flat
   gradient; the unit's last one triggers its reduction (and, stage 3, release).
 
-Nothing is attached to parameters or modules beyond these removable handles.
+With ``zero.activation_checkpointing`` each unit module gets PyTorch's
+composable activation checkpointing (``torch.distributed._composable.checkpoint``:
+hooks, no change to the module tree or names): its activations are recomputed
+in backward. The recompute runs the unit's forward hooks again inside the
+backward pass; there the unit is already gathered for its backward, so the
+hooks only make sure of that (nothing is released, recorded or hooked).
+
+Nothing is attached to parameters or modules beyond these removable handles
+(the checkpointing hooks, when on, stay with the modules).
 """
 
 from __future__ import annotations
@@ -71,8 +79,9 @@ def _scale_outputs(out, scale: float):
     return out
 
 
-def install(engine, model) -> list:
-    """Register every hook the stage needs on ``model``; returns the removable handles."""
+def install(engine, model, checkpoint_units: bool = False) -> list:
+    """Register every hook the stage needs on ``model`` (and activation checkpointing on each unit
+    module if ``checkpoint_units``); returns the removable handles."""
     handles = []
     root_unit = next((u for u in engine.units if u.is_root), None)
 
@@ -100,6 +109,12 @@ def install(engine, model) -> list:
     handles.append(model.register_forward_pre_hook(root_pre))
     handles.append(model.register_forward_hook(root_post))
 
+    if checkpoint_units:
+        from torch.distributed._composable import checkpoint
+        for unit in engine.units:
+            if not unit.is_root:
+                checkpoint(unit.module)   # registered first: its context wraps the gather hooks below
+
     if engine.stage == 3:
         for unit in engine.units:
             if unit.is_root:
@@ -125,14 +140,24 @@ def _param_grad_ready(engine_ref, unit_index: int, slot_index: int, param) -> No
         engine.param_grad_ready(unit, unit.slots[slot_index], param)
 
 
+def _recomputing() -> bool:
+    """A forward inside a backward pass: activation checkpointing recomputing a unit."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _unit_pre(engine, unit):
     def pre(module, args):
+        if _recomputing():
+            engine.acquire(unit)   # gathered for its backward already (a no-op then)
+            return
         engine.use_unit(unit, training=torch.is_grad_enabled())
     return pre
 
 
 def _unit_post(engine, unit):
     def post(module, args, out):
+        if _recomputing():
+            return None   # its backward is running and needs the parameters: keep them gathered
         if not torch.is_grad_enabled():
             engine.release(unit)
             return None
