@@ -42,6 +42,10 @@ def _add_estimate(sub) -> None:
                    help="state bytes per param: mixed = 2+2+12, fp32 = 4+4+8 "
                         "(default: from --config's precision.param_dtype, else mixed)")
     p.add_argument("--config", metavar="FILE", help="also estimate this config's stage, offload and dtypes")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="also ZeRO x tensor parallelism rows: N tp ways, --devices / N dp ranks (needs --model)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
+                   help="tokens per dp rank per step, for the tp-axis bytes (default: the model's block size)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                    help="ranks on one node, for the ZeRO++ rows' cross-node bytes (default: --config's "
                         "zeropp.ranks_per_node if set, else 8, at most --devices)")
@@ -94,6 +98,8 @@ def _run_estimate(args) -> int:
         out = {"num_params": num_params, "world_size": args.devices, "precision": precision,
                "model": args.model, "config": args.config, "estimates": [e.to_dict() for e in rows],
                "ranks_per_node": per_node, "zeropp": pp_rows}
+        if args.tp > 1:
+            out["tensor_parallel"] = _tp_rows(args)
         print(json.dumps(out, indent=2))
         return 0
 
@@ -112,6 +118,8 @@ def _run_estimate(args) -> int:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print("not counted: activations, gathered stage-3 working set, buffers; host/nvme are per rank")
+    if args.tp > 1:
+        _print_tp(_tp_rows(args), args)
     _print_zeropp(pp_rows, args.devices, per_node)
     return 0
 
@@ -134,6 +142,44 @@ def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
     else:
         print("hpZ's device bytes include its secondary shard (params / ranks per node), held from forward to the "
               "end of backward")
+
+
+def _tp_rows(args) -> list:
+    """ZeRO-0..3 x TP rows (and plain ZeRO-3 on every rank for comparison); see infinity/tp_estimate.py."""
+    from infinity.models import GPT, gpt_config
+    from infinity.tp_estimate import TPSplit, split_params, tp_estimate
+    from infinity.zero.tp_plans import GPT_PLAN
+    if args.model is None:
+        raise UsageError("--tp: needs --model (the split and the tp-axis bytes depend on the model's layers)")
+    if args.tp < 1 or args.devices % args.tp:
+        raise UsageError(f"--tp: {args.tp} must be >= 1 and divide --devices {args.devices}")
+    cfg = gpt_config(args.model)
+    import torch
+    with torch.device("meta"):
+        model = GPT(cfg)
+    split = TPSplit(total=sum(p.numel() for p in model.parameters()), split=split_params(model, GPT_PLAN),
+                    n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+    tokens = args.tokens if args.tokens is not None else cfg.block_size
+    rows = [tp_estimate(split, args.devices, 1, 3, tokens)]
+    rows += [tp_estimate(split, args.devices, args.tp, s, tokens) for s in (0, 1, 2, 3)]
+    return [dict(r.to_dict(), tokens_per_rank=tokens, split_params=split.split, params=split.total) for r in rows]
+
+
+def _print_tp(rows: list, args) -> None:
+    """The ZeRO x TP table: model state per rank (mixed precision) and volume per step on each mesh axis."""
+    r0 = rows[0]
+    print(f"\nZeRO x tensor parallelism, {args.devices} ranks; {r0['split_params']:,} of {r0['params']:,} params "
+          f"split (attention + MLP), {r0['tokens_per_rank']} tokens per dp rank per step")
+    table = [("strategy", "state/rank", "dp axis/step", "tp axis/step")]
+    for r in rows:
+        table.append((r["label"], _size(r["state_bytes_per_rank"]), f"{r['dp_volume_elements']:,} el",
+                      f"{r['tp_volume_elements']:,} el"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print("tp axis: 8 x layers x width elements per token (all-reduces of activations; keep it on NVLink)")
 
 
 def _size(n_bytes: int) -> str:

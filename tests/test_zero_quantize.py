@@ -15,7 +15,8 @@ def _per_block_bound(x: torch.Tensor, q: BlockQuantizer) -> torch.Tensor:
     blocks = -(-n // q.block_numel)
     v = torch.nn.functional.pad(x.float(), (0, blocks * q.block_numel - n)).view(blocks, q.block_numel)
     absmax = v.abs().amax(dim=1, keepdim=True)
-    bound = absmax / (2 * q.qmax) + absmax * 4e-7
+    # fp32 cannot hold a scale below its subnormals: values under ~1e-38 may come back as 0
+    bound = absmax / (2 * q.qmax) + absmax * 4e-7 + torch.finfo(torch.float32).tiny
     return bound.expand_as(v).reshape(-1)[:n]
 
 
@@ -91,3 +92,25 @@ def test_payload_is_int8_plus_one_fp32_scale_per_block_to_the_byte():
         BlockQuantizer(8, 12)
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         BlockQuantizer(2, 256)
+
+
+def test_inside_a_collective_a_non_finite_block_comes_back_nan_not_an_error():
+    q = BlockQuantizer(8, 16)
+    x = torch.arange(64, dtype=torch.float32)
+    x[37] = float("inf")
+    y = q.dequantize(q.quantize(x, nonfinite="propagate"), 64)
+    assert torch.isnan(y[32:48]).all()
+    assert torch.equal(torch.isnan(y).nonzero().flatten(), torch.arange(32, 48))
+    assert float((y[:32] - x[:32]).abs().max()) <= 31 / 254 + 1e-5   # the other blocks as usual
+
+
+def test_a_batch_of_rows_is_each_row_on_its_own():
+    torch.manual_seed(1)
+    for bits in (8, 4):
+        q = BlockQuantizer(bits, 16)
+        x = torch.randn(3, 40) * torch.tensor([[1.0], [100.0], [1e-3]])
+        rows = q.quantize(x)
+        assert rows.shape == (3, q.payload_bytes(40))
+        for i in range(3):
+            assert torch.equal(rows[i], q.quantize(x[i]))
+        assert torch.equal(q.dequantize(rows, 40)[2], q.dequantize(rows[2], 40))

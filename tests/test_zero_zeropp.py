@@ -132,8 +132,10 @@ def test_convergence_and_exactness_short(worlds):
     names = ("plain", "qwZ", "hpZ", "qgZ", "all")
     specs = [dict(base, pp=SWITCHES[n]) for n in names]
     specs.append(dict(base, steps=6, pp=SWITCHES["all"], offload={"params": "host", "optimizer": "host"}))
+    specs += [dict(base, stage=stage, steps=10, pp=SWITCHES["qgZ"]) for stage in (1, 2)]
     w = worlds(WORLD)
-    got = dict(zip(names + ("all_offload",), w.run(zeropp_cases.many, "train_case", specs)[0]))
+    extra = ("all_offload", "qgZ_stage1", "qgZ_stage2")
+    got = dict(zip(names + extra, w.run(zeropp_cases.many, "train_case", specs)[0]))
     # switches off: the node layout only labels bytes; bitwise the engine without a zeropp section
     ref = w.run(zero_cases.train_case, dict(base, steps=4, batch=8))[0]   # steps < cycle: the same batches
     assert got["plain"]["losses"][:4] == ref["losses"]
@@ -147,6 +149,11 @@ def test_convergence_and_exactness_short(worlds):
         assert abs(losses[-1] - plain[-1]) <= 0.01 * plain[-1], (name, losses[-1], plain[-1])
     # host offload: quantization is on the gathered path, the stored shards are exact
     assert got["all_offload"]["losses"] == got["all"]["losses"][:6]
+    # qgZ is the reduce-scatter of stages 1 and 2 too
+    for stage in (1, 2):
+        losses = got[f"qgZ_stage{stage}"]["losses"]
+        assert losses != plain[:10]
+        assert all(abs(a - b) <= 0.01 * b for a, b in zip(losses, plain)), (stage, losses, plain[:10])
 
 
 @pytest.mark.parametrize("section,message", [

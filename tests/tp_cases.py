@@ -91,3 +91,33 @@ def error_tp_case(spec: dict) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def tp_segment(spec: dict, load_dir: str | None, save_dir: str, start: int, stop: int) -> dict:
+    """Build at the spec's tp (and this world's dp), load ``load_dir`` if given, train steps [start, stop),
+    save into ``save_dir``; world rank 0 returns the losses, the saved path and the full parameters."""
+    import infinity
+    from infinity.checkpoint import load_checkpoint, save_checkpoint
+
+    # a load starts from another init: everything must come from the checkpoint
+    model = build_model(spec["model"], seed=123 if load_dir else spec.get("seed", 0))
+    model, opt = infinity.initialize(model, tp_config(spec))
+    engine = infinity.engine_of(model)
+    if load_dir is not None:
+        load_checkpoint(load_dir, model, opt)
+    dp, dp_rank = engine.world_size, engine.rank
+    losses = []
+    for step in range(start, stop):
+        loss = _loss(model, global_batch(step, spec["batch"]).chunk(dp)[dp_rank])
+        loss.backward()
+        total = loss.detach().float().clone()
+        if dp > 1:
+            dist.all_reduce(total, group=engine.coll.group)
+            total /= dp
+        losses.append(total.item())
+        opt.step()
+        opt.zero_grad()
+    path = save_checkpoint(save_dir, model, opt)
+    params = full_params(model, engine)
+    engine.close()
+    return {"losses": losses, "path": str(path), "params": params}

@@ -19,6 +19,12 @@ therefore runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at
     python tools/bench_zero.py --json            # GPT ~125M, 2 ranks
     python tools/bench_zero.py --model tiny --steps 3 --seq 64
     python tools/bench_zero.py --json --rounds 3    # round-robin, medians over rounds (noisy machines)
+    python tools/bench_zero.py --world 4 --configs zero3,zero3_tp2,zero1_tp2,zero3_tp4   # ZeRO x TP
+
+``zeroS_tpN``: stage S with ``parallel.tensor: N`` (data parallel = world / N):
+the ranks of one dp row train on the same batch, so tokens per step are
+``world / N`` x batch x seq, against ``world`` x batch x seq for the plain
+configurations (compare step time per token, printed as ``tok/s``).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-CONFIGS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+PLAIN_CONFIGS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+TP_CONFIGS = ("zero1_tp2", "zero3_tp2", "zero3_tp4")   # opt-in: they need --world divisible by the tp ways
+CONFIGS = PLAIN_CONFIGS + TP_CONFIGS
 OPT = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
@@ -57,11 +65,17 @@ def _wrap(name: str, model, param_dtype: str):
         fully_shard(model)
         return model, torch.optim.AdamW(model.parameters(), **OPT)
     import infinity
-    stage = int(name[-1])
+    stage = int(name.split("_")[0][-1])
     cfg = {"zero": {"stage": stage}, "precision": {"param_dtype": param_dtype},
-           "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in OPT.items()}}
+           "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in OPT.items()},
+           "parallel": {"tensor": _tp_of(name)}}
     model, opt = infinity.initialize(model, cfg)
     return model, opt
+
+
+def _tp_of(name: str) -> int:
+    """``zero3_tp2`` -> 2; 1 without a ``_tpN`` suffix."""
+    return int(name.split("_tp")[1]) if "_tp" in name else 1
 
 
 def _rank(rank: int, world: int, init_file: str, args, name: str, out_q) -> None:
@@ -70,7 +84,7 @@ def _rank(rank: int, world: int, init_file: str, args, name: str, out_q) -> None
         torch.set_num_threads(args.threads)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         model, opt = _wrap(name, _build(args.model), args.param_dtype)
-        g = torch.Generator().manual_seed(rank)
+        g = torch.Generator().manual_seed(rank // _tp_of(name))   # a dp row's tp ranks share their batch
         vocab = 256
         times = []
         for step in range(args.warmup + args.steps):
@@ -121,7 +135,9 @@ def run_config(name: str, args) -> dict:
         reason = errors[0].strip().splitlines()[-1] if errors else "a rank gave no result (timeout or crash)"
         return {"error": reason, "traceback": errors[0] if errors else None}
     per_rank_median = [statistics.median(results[r]["step_s"]) for r in range(args.world)]
+    dp = args.world // _tp_of(name)
     out = {"step_s": max(per_rank_median),  # a step is as slow as its slowest rank
+           "tokens_per_s": dp * args.batch * args.seq / max(per_rank_median),
            "step_s_per_rank": [results[r]["step_s"] for r in range(args.world)],
            "peak_rss_bytes": [results[r]["peak_rss_bytes"] for r in range(args.world)]}
     if "last_step" in results[0]:
@@ -156,7 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per rank")
     ap.add_argument("--param-dtype", default="fp32", choices=("fp32", "bf16"), help="infinity compute dtype")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {','.join(CONFIGS)}")
+    ap.add_argument("--configs", default=",".join(PLAIN_CONFIGS), help=f"comma list from {','.join(CONFIGS)}")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--malloc-mmap-threshold-bytes", type=int, default=2**20,
                     help="MALLOC_MMAP_THRESHOLD_ for every rank (0 = glibc's dynamic default); see module doc")
@@ -169,6 +185,9 @@ def main(argv=None) -> int:
     bad = [c for c in names if c not in CONFIGS]
     if bad:
         ap.error(f"unknown config {bad[0]!r}; valid: {', '.join(CONFIGS)}")
+    odd = [c for c in names if args.world % _tp_of(c)]
+    if odd:
+        ap.error(f"config {odd[0]!r} needs --world divisible by {_tp_of(odd[0])}, got {args.world}")
     if args.malloc_mmap_threshold_bytes:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold_bytes)  # inherited by the ranks
     rounds: dict = {name: [] for name in names}
@@ -180,16 +199,18 @@ def main(argv=None) -> int:
         if not args.json:
             r = results[name]
             if "error" in r:
-                print(f"{name:6s} FAILED: {r['error']}", flush=True)
+                print(f"{name:9s} FAILED: {r['error']}", flush=True)
             else:
                 rss = " ".join(f"{b / 2**30:.2f}" for b in r["peak_rss_bytes"])
-                print(f"{name:6s} step {r['step_s'] * 1e3:8.1f} ms   peak RSS/rank GiB: {rss}", flush=True)
+                print(f"{name:9s} step {r['step_s'] * 1e3:8.1f} ms  {r['tokens_per_s']:8.0f} tok/s   "
+                      f"peak RSS/rank GiB: {rss}", flush=True)
     ratios = {}
     for name, base in (("zero0", "ddp"), ("zero1", "ddp"), ("zero2", "ddp"), ("zero3", "fsdp2"),
-                       ("zero3", "ddp")):
+                       ("zero3", "ddp"), ("zero1_tp2", "zero3"), ("zero3_tp2", "zero3"), ("zero3_tp4", "zero3")):
         a, b = results.get(name, {}), results.get(base, {})
         if "step_s" in a and "step_s" in b:
             ratios[f"{name}/{base}_step"] = a["step_s"] / b["step_s"]
+            ratios[f"{name}/{base}_tokens_per_s"] = a["tokens_per_s"] / b["tokens_per_s"]
             ratios[f"{name}/{base}_rss"] = max(a["peak_rss_bytes"]) / max(b["peak_rss_bytes"])
     report = {"model": args.model, "world": args.world, "batch": args.batch, "seq": args.seq,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "threads_per_rank": args.threads,

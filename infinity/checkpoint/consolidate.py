@@ -10,7 +10,10 @@ Memory: each parameter is copied from the rank files in pieces of at most
 ``buffer_bytes`` of fp32 (plus its cast when ``dtype`` is bf16), straight
 from the rank files that hold it into the output file, so peak tensor memory
 is about ``buffer_bytes`` whatever the size of the model or of one parameter.
-A larger buffer means fewer, larger reads and writes.
+A larger buffer means fewer, larger reads and writes. A checkpoint saved with
+tensor parallelism yields the same plain state dict: each split parameter is
+reassembled whole from its ``tp`` slices first (then peak memory is one whole
+parameter, fp32), replicated ones are read from ``tp`` rank 0.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import torch
 from infinity.checkpoint.manifest import Checkpoint
 from infinity.checkpoint.shard_reader import ShardReader
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
+from infinity.checkpoint.tp_layout import read_full_param, saved_spec
+from infinity.zero.tensor_parallel import full_shape
 
 __all__ = ["consolidate", "OUTPUT_DTYPES"]
 
@@ -61,7 +66,11 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
                     if t["source"] == "unit" and t["unit"] != open_unit:
                         reader.close_unit(open_unit)  # state_dict order visits units mostly in turn
                         open_unit = t["unit"]
-                    if t["source"] == "unit":
+                    if t["source"] == "unit" and t["split"]:
+                        full = read_full_param(reader, ckpt, t["unit"], t["slot"], "master").reshape(-1)
+                        for lo in range(0, full.numel(), piece_numel):
+                            writer.write(full[lo:lo + piece_numel].to(t["dtype"]))
+                    elif t["source"] == "unit":
                         _copy_param(reader, t, writer, piece_numel)
                     else:
                         writer.write(extras.read(t["key"]).to(t["dtype"]).reshape(-1))
@@ -104,8 +113,10 @@ def _plan_tensors(ckpt: Checkpoint, out_dtype: torch.dtype) -> list:
     for key in ckpt.manifest["state_dict_keys"]:
         if key in slot_of:
             ui, slot = slot_of[key]
-            shape, dtype = tuple(slot["shape"]), out_dtype
-            entry = {"source": "unit", "unit": ui, "offset": int(slot["offset"]), "numel": int(slot["numel"])}
+            spec = saved_spec(ckpt, slot["name"])
+            shape, dtype = tuple(full_shape(slot["shape"], spec, ckpt.tp_size)), out_dtype
+            entry = {"source": "unit", "unit": ui, "offset": int(slot["offset"]), "numel": int(slot["numel"]),
+                     "split": spec is not None, "slot": slot}
         elif key in extra_specs:
             dtype, shape = extra_specs[key]
             dtype = out_dtype if dtype.is_floating_point else dtype  # buffers follow the model's dtype

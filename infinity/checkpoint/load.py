@@ -7,7 +7,10 @@ owns elements ``[shard_rank * shard_numel, ...)`` of it now; the saved rank
 ``UnitShard.get``, one unit at a time), and padding is zeroed. The unit
 layout (names, shapes, offsets, groups) must match; padding, shard sizes,
 world size and stage may differ. Stage 0 saves the full state once (rank 0);
-loading at stage 0 reads every unit whole on every rank.
+loading at stage 0 reads every unit whole on every rank. Tensor parallelism:
+at the same ``parallel.tensor`` each ``tp`` rank reads its own slices the same
+way; at another, parameters are reassembled and re-split one at a time
+(:mod:`infinity.checkpoint.tp_layout`).
 
 Every file this rank will read is checksum-verified first, and all ranks agree
 on success before the first collective, so a corrupt or missing file is one
@@ -25,6 +28,7 @@ from infinity.checkpoint.manifest import SHARD_TENSORS, Checkpoint, unit_layout
 from infinity.checkpoint.save import engine_for
 from infinity.checkpoint.shard_reader import ShardReader
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
+from infinity.checkpoint.tp_layout import check_full_layout, load_unit_resharded
 from infinity.checkpoint.train_state import restore_optimizer, restore_rng, restore_scaler
 from infinity.zero.units import TensorClass, UnitState
 
@@ -38,15 +42,25 @@ def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> di
     RNG states: rank r gets saved rank r's (when the saved world had a rank r).
     """
     engine = engine_for(model, optimizer)
-    coll, rank = engine.coll, engine.rank
-    error, rng_path = None, None
+    coll, rank = engine.world_coll, engine.world_rank   # every rank of the mesh (both axes)
+    error, rng_path, resplit = None, None, False
     try:
         ckpt = Checkpoint(directory)
-        ckpt.check_layout(unit_layout(engine.units, model), len(optimizer.param_groups))
+        tp_size, tp_rank = (engine.tp.size, engine.tp.rank) if engine.tp is not None else (1, 0)
+        resplit = ckpt.tp_size != tp_size
+        if resplit:
+            check_full_layout(ckpt, unit_layout(engine.units, model), engine.tp, len(optimizer.param_groups))
+        else:
+            ckpt.check_layout(unit_layout(engine.units, model), len(optimizer.param_groups))
         reader = ShardReader(ckpt)
         # verify everything this rank will read before any collective; CRC-32 runs at a few GB/s on one
         # core (zlib releases the GIL), so the files are checked on io.threads threads
-        needed = {rel: r for unit in engine.units for r, rel in reader.files_for(unit.index, *_owned(engine, unit))}
+        if resplit:   # parameters are reassembled from every saved tp rank's slices
+            needed = {rel: r for i, u in enumerate(ckpt.units) for t in range(ckpt.tp_size)
+                      for r, rel in reader.files_for(i, 0, int(u["numel"]), t)}
+        else:
+            needed = {rel: r for unit in engine.units
+                      for r, rel in reader.files_for(unit.index, *_owned(engine, unit), tp_rank)}
         with ThreadPoolExecutor(max_workers=engine.config.io.threads) as pool:
             list(pool.map(lambda item: ckpt.verify(item[0], item[1], SHARD_TENSORS), needed.items()))
         if ckpt.manifest["extras"]:
@@ -65,7 +79,7 @@ def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> di
     engine.prepare_load()   # whatever the step was doing (a backward that raised, a failed update) is dropped
     try:
         for unit in engine.units:
-            _load_unit(engine, unit, reader)
+            _load_unit(engine, unit, reader, ckpt if resplit else None)
             reader.close_unit(unit.index)
     finally:
         reader.close()
@@ -90,16 +104,23 @@ def _owned(engine, unit) -> tuple:
     return lo, min(lo + unit.shard_numel, unit.numel)
 
 
-def _load_unit(engine, unit, reader: ShardReader) -> None:
+def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
+    """This rank's shard of ``unit``; ``resplit_from``: the checkpoint, saved at other tensor-parallel ways."""
     if engine.stage == 3 and unit.state is not UnitState.SHARDED:
         engine.release(unit)  # a gathered full buffer would go stale once the shard changes
     lo, hi = _owned(engine, unit)
     shard = unit.shard
+    tp_rank = engine.tp.rank if engine.tp is not None else 0
+    rebuilt = load_unit_resharded(engine, unit, reader, resplit_from, SHARD_TENSORS, lo, hi) \
+        if resplit_from is not None else None
     for name in SHARD_TENSORS:
         t = shard.get(TensorClass(name))
         staging = t if t.device.type == "cpu" else torch.empty(t.numel(), dtype=t.dtype)  # CUDA-only staging
         with torch.no_grad():
-            reader.read(unit.index, name, lo, hi, staging[:hi - lo])
+            if rebuilt is not None:
+                staging[:hi - lo].copy_(rebuilt[name])
+            else:
+                reader.read(unit.index, name, lo, hi, staging[:hi - lo], tp_rank=tp_rank)
             staging[hi - lo:].zero_()  # padding is in no param group: it must stay zero
             if staging is not t:
                 t.copy_(staging)

@@ -12,6 +12,11 @@ A checkpoint is a directory ``step_00000012/``::
     rank00003/index.json        rank 3's files with bytes and CRC-32s (per tensor for tensor files),
                                 written after them
 
+With tensor parallelism (``parallel.tensor = T``) ranks are numbered ``dp * T + tp`` and each
+``tp`` rank's units hold its slices: the layout is the same on every ``tp`` rank (local shapes),
+and ``tensor_parallel`` in the manifest records ``T`` and each split parameter's ``[dim, parts]``
+(:mod:`infinity.checkpoint.tp_layout` reassembles and re-splits them for another ``T``).
+
 :class:`Checkpoint` opens one: it checks the manifest, every path it names
 (relative, inside the directory), and the indexes' checksums; data files are
 verified by :meth:`Checkpoint.verify` before their first use (a tensor file's
@@ -110,6 +115,8 @@ def _file_entry(meta: dict) -> dict:
 class Checkpoint:
     """A validated checkpoint directory (read side)."""
 
+    tp_size = 1   # saved tensor-parallel ways (set from the manifest; 1 for checkpoints without TP)
+
     def __init__(self, path):
         self.dir = resolve_checkpoint_dir(path)
         self._root = os.path.realpath(self.dir)
@@ -135,6 +142,12 @@ class Checkpoint:
         if len(m["ranks"]) != self.world_size:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: lists {len(m['ranks'])} ranks, world size "
                                   f"{self.world_size}")
+        tp = m.get("tensor_parallel") or {}
+        self.tp_size = int(tp.get("size", 1))                  # saved tensor-parallel ways
+        self.tp_specs = {n: (int(d), int(k)) for n, (d, k) in tp.get("specs", {}).items()}
+        if self.world_size % self.tp_size:
+            raise CheckpointError(f"{self.dir / 'manifest.json'}: tensor_parallel size {self.tp_size} does not "
+                                  f"divide world size {self.world_size}")
         self.files: dict = {}       # relative path -> (rank, index entry)
         for r, entry in enumerate(m["ranks"]):
             self._read_index(r, entry)
@@ -247,14 +260,16 @@ class Checkpoint:
 
     # ------------------------------------------------------------ layout
 
-    def unit_sources(self, unit_index: int, lo: int, hi: int) -> list:
-        """Where unpadded elements [lo, hi) of a unit live: (rank, file, local_lo, local_hi, out_lo) pieces."""
+    def unit_sources(self, unit_index: int, lo: int, hi: int, tp_rank: int = 0) -> list:
+        """Where unpadded elements [lo, hi) of ``tp_rank``'s unit live: (rank, file, local_lo, local_hi, out_lo)
+        pieces (dp shard ``s`` of tp rank ``t`` was written by rank ``s * T + t``)."""
         shard_numel = int(self.units[unit_index]["shard_numel"])
         pieces, e = [], lo
         while e < hi:
-            r = e // shard_numel
-            end = min(hi, (r + 1) * shard_numel)
-            pieces.append((r, unit_file(r, unit_index), e - r * shard_numel, end - r * shard_numel, e - lo))
+            s = e // shard_numel
+            end = min(hi, (s + 1) * shard_numel)
+            r = s * self.tp_size + tp_rank
+            pieces.append((r, unit_file(r, unit_index), e - s * shard_numel, end - s * shard_numel, e - lo))
             e = end
         return pieces
 

@@ -26,6 +26,7 @@ import torch
 from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SHARD_TENSORS, STEP_DIR_RE, rank_dir,
                                           step_dir_name, unit_file, unit_layout, write_json)
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, fsync_dir
+from infinity.checkpoint.tp_layout import tp_manifest
 from infinity.checkpoint.train_state import capture_optimizer, capture_rng, capture_scaler
 from infinity.zero.units import TensorClass
 
@@ -56,7 +57,7 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
     :func:`load_checkpoint`. Every rank must call it.
     """
     engine = engine_for(model, optimizer)
-    coll, rank = engine.coll, engine.rank
+    coll, rank = engine.world_coll, engine.world_rank   # every rank of the mesh (both axes)
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got {keep_last}")
     if step is None:
@@ -157,8 +158,8 @@ def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
     mine = tmp / rank_dir(rank)
     mine.mkdir(parents=True, exist_ok=True)
     files = {}
-    # stage 0 keeps the whole state on every rank: rank 0 alone writes it (shard_world is 1)
-    if engine.shard_rank == rank:
+    # stage 0 keeps the whole state on every rank: dp rank 0 alone writes it (shard_world is 1)
+    if engine.shard_rank == engine.rank:
         for unit in engine.units:
             rel = unit_file(rank, unit.index)
             files[rel] = _write_unit(tmp / rel, unit, rank)
@@ -217,7 +218,8 @@ def _write_extras(path: Path, engine, model) -> dict:
 def _manifest(engine, model, optimizer, step: int, rank_entries: list) -> dict:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": step,
-        "world_size": engine.world_size, "stage": engine.stage, "shard_world": engine.shard_world,
+        "world_size": len(rank_entries), "stage": engine.stage, "shard_world": engine.shard_world,
+        "tensor_parallel": tp_manifest(engine.tp),
         "param_dtype": engine.config.precision.param_dtype,
         "config": engine.config.to_dict(),
         "model_class": type(model).__name__,

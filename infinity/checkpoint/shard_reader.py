@@ -26,12 +26,13 @@ class ShardReader:
         self.tensors = tuple(tensors)   # the saved tensors this reader will read (only those are verified)
         self._open: dict = {}
 
-    def files_for(self, unit_index: int, lo: int, hi: int) -> list:
-        return [(r, rel) for r, rel, *_ in self.ckpt.unit_sources(unit_index, lo, hi)]
+    def files_for(self, unit_index: int, lo: int, hi: int, tp_rank: int = 0) -> list:
+        return [(r, rel) for r, rel, *_ in self.ckpt.unit_sources(unit_index, lo, hi, tp_rank)]
 
-    def read(self, unit_index: int, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Unpadded elements [lo, hi) of saved tensor ``name`` of unit ``unit_index`` into fp32 CPU ``out``."""
-        for r, rel, a, b, at in self.ckpt.unit_sources(unit_index, lo, hi):
+    def read(self, unit_index: int, name: str, lo: int, hi: int, out: torch.Tensor, tp_rank: int = 0) -> None:
+        """Unpadded elements [lo, hi) of saved tensor ``name`` of (saved tensor-parallel rank ``tp_rank``'s)
+        unit ``unit_index`` into fp32 CPU ``out``."""
+        for r, rel, a, b, at in self.ckpt.unit_sources(unit_index, lo, hi, tp_rank):
             self._reader(rel, r).read_into(name, a, b, out[at:at + b - a])
 
     def _reader(self, rel: str, rank: int) -> TensorFileReader:

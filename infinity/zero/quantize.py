@@ -9,12 +9,16 @@ Guarantees (what ``tests/test_zero_quantize.py`` checks):
 
 - a value's round-trip error is at most half a step of its block:
   ``|x - dequantize(quantize(x))| <= absmax(block) / (2 * qmax)`` (plus the
-  rounding of the scale itself, a few ulps of fp32);
+  rounding of the scale itself, a few ulps of fp32, and 1.2e-38 absolute:
+  a block of values below fp32's normal range may underflow to zeros);
 - a block of zeros has scale 0 and comes back as exact zeros; a block whose
   values are all equal comes back equal to them (to fp32 rounding);
 - a non-finite input (inf or nan) raises :class:`QuantizationError`, naming the
   first bad block: a block scale cannot carry it, and quietly sending a wrong
-  tensor would corrupt every rank's copy.
+  tensor would corrupt every rank's copy. Inside a collective, where one rank
+  raising alone would leave the others waiting forever, ``nonfinite="propagate"``
+  sends the block with a NaN scale instead: the whole block dequantizes to NaN
+  on every rank, as an unquantized collective would spread the value.
 
 The wire format is one ``uint8`` row per tensor: the packed integers, then the
 scales' bytes (see :func:`payload_bytes`), so one collective moves both. The
@@ -63,12 +67,13 @@ class BlockQuantizer:
     def payload_bytes(self, numel: int) -> int:
         return payload_bytes(numel, self.bits, self.block_numel)
 
-    def quantize(self, x: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, what: str = "tensor", nonfinite: str = "raise") -> torch.Tensor:
         """``x`` (any float dtype) -> its wire row (uint8, :meth:`payload_bytes` long).
 
         A 2-D ``x`` is a batch: each row is quantized on its own and the result is
         ``[rows, payload_bytes(columns)]`` (one wire row per destination of an all-to-all).
-        Raises :class:`QuantizationError` naming ``what`` and the block if ``x`` holds inf or nan.
+        Raises :class:`QuantizationError` naming ``what`` and the block if ``x`` holds inf or nan, or
+        with ``nonfinite="propagate"`` gives such a block a NaN scale (it dequantizes to all NaN).
         """
         batch = x.dim() == 2
         v = x.float().reshape(x.shape[0] if batch else 1, -1)
@@ -78,15 +83,19 @@ class BlockQuantizer:
             v = torch.nn.functional.pad(v, (0, blocks * self.block_numel - numel))
         v = v.reshape(rows, blocks, self.block_numel)
         absmax = v.abs().amax(dim=2)
-        if not bool(torch.isfinite(absmax).all()):
-            row, bad = (int(i) for i in (~torch.isfinite(absmax)).nonzero()[0])
+        finite = torch.isfinite(absmax)
+        if nonfinite == "propagate":
+            absmax = torch.where(finite, absmax, torch.full_like(absmax, float("nan")))
+            v = torch.where(finite.unsqueeze(2), v, torch.zeros_like(v))
+        elif not bool(finite.all()):
+            row, bad = (int(i) for i in (~finite).nonzero()[0])
             where = f"row {row}, " if batch else ""
             raise QuantizationError(
                 f"cannot quantize {what}: {where}block {bad} (values {bad * self.block_numel}.."
                 f"{min(numel, (bad + 1) * self.block_numel) - 1}) holds inf or nan; a block scale cannot carry "
                 "a non-finite value (look for a diverged loss, or turn off zeropp quantization)")
         scale = absmax / self.qmax
-        # a zero block keeps scale 0 (its values are all 0 anyway); divide by 1 instead of 0
+        # a zero block keeps scale 0 (its values are all 0 anyway); divide by 1 instead of 0 (or NaN)
         q = torch.round(v / torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(2))
         q = q.clamp_(-self.qmax, self.qmax).to(torch.int8).reshape(rows, -1)
         data_bytes = blocks * self.block_numel * self.bits // 8

@@ -32,6 +32,11 @@ and the one reduction path (:mod:`infinity.zero.grads`) move a unit when
   before quantization. The result is averaged and folded into the gradient
   shard in ``precision.reduce_dtype`` as before.
 
+A non-finite value (a diverged loss) is not an error here: one rank raising
+while the others wait in the collective would hang them all. Its block
+travels with a NaN scale and comes back NaN on every rank, as an unquantized
+collective would spread it.
+
 The groups come from a 2-D :class:`torch.distributed.device_mesh.DeviceMesh`
 ``(node, local)`` = (world / ranks_per_node, ranks_per_node); consecutive
 ranks share a node, as launchers number them. On one machine 4 ranks with
@@ -108,7 +113,7 @@ class ZeroPlusPlus:
             with torch.autograd._unsafe_preserve_version_counter(full):
                 return self.coll.all_gather(full, src, async_op=True)
         q, n, numel = self.weights_q, self.world_size, src.numel()
-        row = q.quantize(src, what=f"parameter shard of unit {unit.name}")
+        row = q.quantize(src, what=f"parameter shard of unit {unit.name}", nonfinite="propagate")
         rows = torch.empty(n, row.numel(), dtype=torch.uint8, device=row.device)
 
         def dequantize(rows=rows, row=row):   # `row` held until the send is done
@@ -156,7 +161,7 @@ class _HierarchicalReduce:
         self.by_local = full.view(m, k, shard).transpose(0, 1).reshape(k, m * shard)
         self.pending = None
         if k > 1:
-            send = pp.grads_q.quantize(self.by_local, what=f"gradient of unit {name}")
+            send = pp.grads_q.quantize(self.by_local, what=f"gradient of unit {name}", nonfinite="propagate")
             self.recv = torch.empty_like(send)
             self.send = send   # held until the all-to-all is done
             self.pending = pp.intra.all_to_all(self.recv, send, async_op=True)
@@ -173,7 +178,8 @@ class _HierarchicalReduce:
         else:
             node_sum = self.by_local[0].float()
         if m > 1:
-            send = pp.grads_q.quantize(node_sum.view(m, shard), what=f"node-summed gradient of unit {self.name}")
+            send = pp.grads_q.quantize(node_sum.view(m, shard), what=f"node-summed gradient of unit {self.name}",
+                                       nonfinite="propagate")
             recv = torch.empty_like(send)
             pp.cross.all_to_all(recv, send)
             total = pp.grads_q.dequantize(recv, shard).sum(dim=0)
