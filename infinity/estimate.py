@@ -43,6 +43,11 @@ updated parameters Ψ, 2Ψ; ZeRO-3 all-gathers parameters for forward Ψ and
 again for backward Ψ and reduce-scatters gradients Ψ, 3Ψ. Gathers move
 param-dtype elements, reductions move reduce-dtype elements. Offload changes
 no collective volume.
+
+ZeRO++ (:func:`zeropp_comm`, :func:`zeropp_rows`) splits stage 3's bytes into
+what stays inside a node and what crosses to other nodes, per technique (qwZ,
+hpZ, qgZ), counted pairwise as the engine's byte counters count them; hpZ's
+secondary shard adds Ψ·param bytes / ranks per node to a rank's device bytes.
 """
 
 from __future__ import annotations

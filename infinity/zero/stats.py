@@ -13,7 +13,8 @@ class EngineStats:
     """Accumulates over the current step; :attr:`last_step` is the snapshot of the last finished one.
 
     ``last_step`` keys: ``forward_s``, ``backward_s``, ``step_s``, ``comm_wait_s``,
-    ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes per kind),
+    ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes / intra_node_bytes /
+    cross_node_bytes per kind; see :mod:`infinity.zero.collectives`),
     ``steps`` (optimizer steps so far, skipped ones included); the engine adds
     ``live_peak_bytes`` (stage 3: high-water mark of gathered parameter bytes, what
     ``prefetch.max_live_bytes`` caps) and ``live_cap_releases`` (units released to stay under it).
