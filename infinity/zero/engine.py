@@ -50,9 +50,10 @@ import weakref
 import torch
 import torch.nn as nn
 
-from infinity.config import Config
+from infinity.config import Config, ConfigError, format_size
 from infinity.schedule.prefetch import TracePrefetcher
-from infinity.store import TensorStore
+from infinity.store import TensorStore, Tier
+from infinity.store.budget import resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
@@ -141,6 +142,9 @@ class ZeroEngine:
             # the global norm over both axes in one all-reduce (stage 0: dp ranks hold equal gradients)
             self.grads.norm_coll = self.world_coll if self.stage > 0 else self.tp.coll
 
+        if self.placement.any_offload:   # refused before anything is written
+            _check_budgets(self.placement, self.units, self.stage, self.param_dtype, self.reduce_dtype,
+                           config.tiers, self.device)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
@@ -491,6 +495,18 @@ def _release(pipeline, adam, store) -> None:
         finally:
             if store is not None:
                 store.close()
+
+
+def _check_budgets(placement, units, stage, param_dtype, reduce_dtype, tiers, device) -> None:
+    """Raise ConfigError if ``tiers.*_bytes`` are below what a step needs (see Placement.min_budgets)."""
+    budgets = resolve_budgets(tiers, device)
+    need = placement.min_budgets(units, stage, _itemsize(param_dtype), _itemsize(reduce_dtype))
+    for tier, key in ((Tier.HOST, "tiers.host_bytes"), (Tier.DEVICE, "tiers.device_bytes")):
+        least, why = need[tier]
+        if budgets[tier] < least:
+            raise ConfigError(f"{key} = {budgets[tier]} bytes ({format_size(budgets[tier])}) is below the "
+                              f"{least} bytes ({format_size(least)}) this model and placement need: {why}. "
+                              f"Set {key} to at least {format_size(least)}, or place less on that tier")
 
 
 def _add_note(error: BaseException, note: str) -> None:

@@ -76,6 +76,43 @@ class Placement:
         """
         return param_is_fp32 and self.params == self.optimizer
 
+    def min_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
+        """The least host and device tier budgets a training step needs with this placement:
+        ``{Tier.HOST: (bytes, why), Tier.DEVICE: (bytes, why)}``.
+
+        Host: every host-homed copy stays there (a home is never evicted), and one unit's optimizer
+        update holds all of that unit's stored classes in host memory at once (master, moments,
+        gradient, new parameter), so the largest such working set must fit beside the host homes.
+        Device (stage 3, parameters stored): a unit's all-gather reads a device copy of its shard,
+        so the largest parameter shard must fit.
+        """
+        fp32_master = self.master_is_param(param_itemsize == 4)
+        homed, worst, worst_unit = 0, 0, None
+        for u in units:
+            sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: 4, TensorClass.EXP_AVG_SQ: 4,
+                     TensorClass.MASTER: 0 if fp32_master else 4, TensorClass.GRAD: reduce_itemsize}
+            if stage < 2:
+                sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena
+            job = 0
+            for cls, itemsize in sizes.items():
+                tier = self.home(cls)
+                if tier is Tier.HOST:
+                    homed += itemsize * u.shard_numel
+                elif tier is Tier.NVME:
+                    job += itemsize * u.shard_numel
+            if job > worst:
+                worst, worst_unit = job, u.name
+        host = homed + worst
+        why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
+            (f" + the optimizer update of unit {worst_unit!r} ({worst} bytes of stored states brought to host)"
+             if worst_unit is not None else "")
+        device, device_why = 0, "no stored parameters gathered"
+        if stage == 3 and self.params is not None:
+            largest = max(units, key=lambda u: u.shard_numel)
+            device = largest.shard_numel * param_itemsize
+            device_why = f"the all-gather of unit {largest.name!r} reads its {device}-byte parameter shard there"
+        return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
+
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}
 
