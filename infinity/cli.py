@@ -86,13 +86,10 @@ def _run_estimate(args) -> int:
         per_node = given if given != "auto" else min(8, args.devices)
     if per_node < 1 or args.devices % per_node:
         raise UsageError(f"--ranks-per-node: {per_node} must be >= 1 and divide --devices {args.devices}")
-    pp_switches = ZEROPP_ROWS
-    if config is not None and config.zeropp.enabled:
-        c = config.zeropp
-        pp_switches += (ZeroPPSwitches(c.quantize_weights, c.hierarchical_partition, c.quantize_grads,
-                                       c.grad_bits, c.block_numel),)
-    pp_rows = zeropp_rows(num_params, args.devices, per_node, precision, pp_switches)
-    if config is not None and config.zeropp.enabled:
+    with_config = config is not None and config.zeropp.enabled
+    extra = (ZeroPPSwitches.from_config(config.zeropp),) if with_config else ()
+    pp_rows = zeropp_rows(num_params, args.devices, per_node, precision, ZEROPP_ROWS + extra)
+    if with_config:
         pp_rows[-1]["name"] = f"config ({args.config})"
     if args.json:
         out = {"num_params": num_params, "world_size": args.devices, "precision": precision,
@@ -112,16 +109,21 @@ def _run_estimate(args) -> int:
         name = f"config ({args.config})" if e.placement.name == "config" else e.placement.name
         table.append((name, str(e.placement.stage), _size(m.device_bytes), _size(m.host_bytes), _size(m.nvme_bytes),
                       f"{c.total_numel / num_params:g} x params", _size(c.total_bytes)))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    _print_table(table)
     print("not counted: activations, gathered stage-3 working set, buffers; host/nvme are per rank")
     if args.tp > 1:
         _print_tp(_tp_rows(args), args)
     _print_zeropp(pp_rows, args.devices, per_node)
     return 0
+
+
+def _print_table(table: list) -> None:
+    """Rows of cells, the first a header: left-aligned names, right-aligned figures."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for i, row in enumerate(table):
+        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
 
 
 def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
@@ -132,11 +134,7 @@ def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
     for r in rows:
         table.append((r["name"], _size(r["device_bytes"]), _size(r["intra_node_bytes"]), _size(r["cross_node_bytes"]),
                       f"{r['cross_vs_zero3']:.3f}" if rows[0]["cross_node_bytes"] else "-"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for i, row in enumerate(table):
-        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    _print_table(table)
     if devices == per_node:
         print("one node: nothing crosses a node, ZeRO++ saves nothing here (pass --ranks-per-node)")
     else:

@@ -283,6 +283,12 @@ class ZeroPPSwitches:
     grad_bits: int = 8
     block_numel: int = 256
 
+    @classmethod
+    def from_config(cls, zeropp) -> "ZeroPPSwitches":
+        """The switches of a config's ``zeropp`` section."""
+        return cls(zeropp.quantize_weights, zeropp.hierarchical_partition, zeropp.quantize_grads,
+                   zeropp.grad_bits, zeropp.block_numel)
+
     @property
     def label(self) -> str:
         on = [n for n, v in (("qwZ", self.quantize_weights), ("hpZ", self.hierarchical),
