@@ -44,7 +44,8 @@ def _run(name: str, pp: dict, args, out_dir: str) -> dict:
            "--steps", str(args.steps), "--model", args.model, "--seq-len", str(args.seq_len),
            "--batch-size", str(args.batch_size), "--eval-every", str(args.steps), "--eval-batches", "4",
            "--metrics", metrics, "--no-save", "--no-progress", "--json", "--seed", "0",
-           "--lr-schedule", "cosine", "--warmup-steps", "10", "--min-lr", str(args.lr / 10)]
+           "--lr-schedule", "cosine", "--warmup-steps", str(min(10, args.steps // 4)),
+           "--min-lr", str(args.lr / 10)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
