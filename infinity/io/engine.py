@@ -37,6 +37,8 @@ from infinity.io.checksum import crc32_combine
 from infinity.io.errors import SwapIOError
 from infinity.io.syscalls import Syscalls
 
+from infinity.transitions import Transitions
+
 __all__ = ["IOEngine", "IOOp"]
 
 
@@ -48,6 +50,9 @@ class IOOp(enum.Enum):
 class _EngineState(enum.Enum):
     RUNNING = "running"  # accepting requests
     CLOSED = "closed"    # workers drained and joined; submit raises
+
+
+_ENGINE_MOVES = Transitions("io engine", {_EngineState.RUNNING: {_EngineState.CLOSED}, _EngineState.CLOSED: set()})
 
 
 class _Request:
@@ -290,7 +295,7 @@ class IOEngine:
         """Finish every submitted piece, then stop the workers. Idempotent."""
         if self._state is _EngineState.CLOSED:
             return
-        self._state = _EngineState.CLOSED
+        self._state = _ENGINE_MOVES.check(self._state, _EngineState.CLOSED, "IOEngine")
         for _ in self._workers:
             self._pieces.put(None)  # after every queued piece: FIFO, so pending work completes first
         for w in self._workers:

@@ -57,8 +57,13 @@ _MOVES = Transitions("swap-file extent", {ExtentState.WRITING: {ExtentState.STOR
 
 
 class _FileState(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
+    OPEN = "open"        # the swap file is open: extents may be written and read
+    CLOSED = "closed"    # closed (and removed): every operation raises
+
+
+# CLOSED -> OPEN: the constructor's first move (a file object starts closed until it is opened)
+_FILE_MOVES = Transitions("swap file", {_FileState.CLOSED: {_FileState.OPEN, _FileState.CLOSED},
+                                        _FileState.OPEN: {_FileState.CLOSED}})
 
 
 @dataclass
@@ -128,7 +133,7 @@ class ExtentFile:
             except OSError as e:
                 raise SwapIOError.from_os_error(e, "open", self.path) from e
             os.fchmod(self._fd, 0o600)  # O_TRUNC on an existing file keeps its old mode
-            self._state = _FileState.OPEN
+            self._state = _FILE_MOVES.check(_FileState.CLOSED, _FileState.OPEN, str(self.path))
             if initial_bytes:
                 self._grow(round_up(initial_bytes))
         except BaseException:
@@ -226,7 +231,8 @@ class ExtentFile:
         with self._lock:
             if getattr(self, "_state", _FileState.CLOSED) is _FileState.CLOSED:
                 return
-            self._state = _FileState.CLOSED  # under the lock: no operation can start after this
+            # under the lock: no operation can start after this
+            self._state = _FILE_MOVES.check(self._state, _FileState.CLOSED, str(self.path))
             pending = list(self._pending)
         wait(pending)  # the engine may still be writing into / reading from the file: close the fd after
         try:
