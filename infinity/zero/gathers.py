@@ -60,7 +60,10 @@ class UnitGathers:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
         if unit.state is UnitState.SHARDED:
             self.update.check_gather(unit)
-            src, done = self.update.with_room(unit.shard.param_for_gather)
+            if self.zeropp is not None and self.zeropp.has_secondary(unit.index):
+                src, done = None, None   # hpZ: gathered from the node's secondary shards, not the stored one
+            else:
+                src, done = self.update.with_room(unit.shard.param_for_gather)
             unit.transition(UnitState.GATHERING)
             self.live.gathering(unit.index)
             full = unit.full_param
@@ -141,6 +144,8 @@ class UnitGathers:
         for index in fetch:
             if self.update.updating(index):
                 continue   # Adam is writing its shard (a trace from another step's order): no use this step
+            if self.zeropp is not None and self.zeropp.has_secondary(index):
+                continue   # hpZ: its backward gathers from the secondary shards, the stored one is not read
             try:
                 self.units[index].shard.prefetch_param()
             except BudgetError:

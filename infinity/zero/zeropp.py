@@ -130,6 +130,10 @@ class ZeroPlusPlus:
         lo = self.local_rank * slice_numel
         self._secondary[unit.index] = unit.full_param[lo:lo + slice_numel].clone()
 
+    def has_secondary(self, unit_index: int) -> bool:
+        """hpZ: the unit's next gather runs inside the node (its stored shard need not be read)."""
+        return unit_index in self._secondary
+
     def drop_secondaries(self) -> None:
         """The backward is over (or abandoned): the next step's weights differ, the slices are stale."""
         self._secondary.clear()
