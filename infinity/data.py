@@ -5,7 +5,9 @@ library's own ``.py`` sources (``sysconfig.get_paths()["stdlib"]``, sorted by
 relative path, ``site-packages`` skipped, concatenated and cut at a byte cap).
 It is fixed for a given Python installation, not across Python versions.
 Tokens are bytes: each uint8 is one token of a 256-entry vocab, so any file of
-text (or anything else) can be fed instead with :meth:`TokenDataset.from_file`.
+text (or anything else) can be fed instead with :meth:`TokenDataset.from_file`;
+or the ids of a ``transformers`` tokenizer (:meth:`TokenDataset.tokenized`,
+exactly its ids for the whole text, see :func:`tokenize_text`).
 
 Batches are a pure function of ``(seed, step)``: step ``s`` of the global
 batch draws ``batch_size`` window starts from ``numpy.random.default_rng([seed,
@@ -27,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["TokenDataset", "stdlib_corpus", "DEFAULT_CORPUS_BYTES", "VOCAB_SIZE"]
+__all__ = ["TokenDataset", "stdlib_corpus", "tokenize_text", "DEFAULT_CORPUS_BYTES", "VOCAB_SIZE"]
 
 VOCAB_SIZE = 256
 DEFAULT_CORPUS_BYTES = 4 * 2**20
@@ -62,6 +64,85 @@ def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
 
+# tokenize_text: characters per tokenizer call, and how far each call reaches into its neighbours' text
+TOKENIZE_PIECE_CHARS = 2**20
+TOKENIZE_SEAM_CHARS = 2**12
+_SEAM_TOKENS = 8   # tokens that must agree on each side of a join
+
+
+def tokenize_text(text: str, tokenizer) -> torch.Tensor:
+    """``tokenizer(text, add_special_tokens=False)["input_ids"]`` as a 1-D int32 tensor, without one huge call.
+
+    Cutting text anywhere changes its tokens near the cut (a run of newlines is
+    one pre-token, a SentencePiece-style tokenizer marks every new start as a
+    word start), so pieces are not simply concatenated. A fast tokenizer
+    encodes pieces of ``TOKENIZE_PIECE_CHARS`` that reach ``TOKENIZE_SEAM_CHARS``
+    into both neighbours; two neighbours are joined at a token both encoded
+    alike (same id, same place in the text, and ``_SEAM_TOKENS`` more agreeing on
+    each side), half a seam or more from either piece's end, where the text each
+    lacks no longer matters. Where no such token exists (one pre-token longer
+    than the seam) the piece is widened through its neighbour. A tokenizer
+    without offsets (a slow one) encodes the text in one call.
+    """
+    n, piece, seam = len(text), TOKENIZE_PIECE_CHARS, TOKENIZE_SEAM_CHARS
+    if n <= piece + seam or not getattr(tokenizer, "is_fast", False):
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int32)
+
+    def encode(a: int, b: int) -> np.ndarray:   # rows (id, start, end), offsets into `text`
+        enc = tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True)
+        rows = np.zeros((len(enc["input_ids"]), 3), dtype=np.int64)
+        if len(rows):
+            rows[:, 0] = enc["input_ids"]
+            rows[:, 1:] = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2) + a
+        return rows
+
+    k = _SEAM_TOKENS
+    done: list = []                  # ids already joined, in order
+    a, b = 0, piece + seam           # the current piece's text; its rows from `first` on are not joined yet
+    cur, first = encode(a, b), 0
+    while b < n:
+        mid = b - seam               # the seam: the next piece starts a seam before `mid`, this one ends after
+        na, nb = mid - seam, min(n, mid + piece + seam)
+        nxt = encode(na, nb)
+        join = _join(cur, first, nxt, mid - seam // 2, mid + seam // 2, k)
+        if join is None:             # no place where both agree: encode this piece through the next one
+            run, b = cur[first:first + k], nb
+            cur = encode(a, b)
+            first = _find_run(cur, run)
+            continue
+        i, j = join
+        done.append(cur[first:i, 0])
+        a, b, cur, first = na, nb, nxt, j
+    done.append(cur[first:, 0])
+    return torch.from_numpy(np.concatenate(done).astype(np.int32))
+
+
+def _join(cur: np.ndarray, first: int, nxt: np.ndarray, lo: int, hi: int, k: int):
+    """``(i, j)``: ``cur[i]`` is ``nxt[j]``, a token starting in ``[lo, hi]``, ``k`` rows equal on each side."""
+    index: dict = {}
+    for j in np.nonzero((nxt[:, 1] >= lo) & (nxt[:, 1] <= hi))[0]:
+        index.setdefault(tuple(nxt[j]), int(j))
+    for i in np.nonzero((cur[:, 1] >= lo) & (cur[:, 1] <= hi))[0]:
+        i = int(i)
+        j = index.get(tuple(cur[i]))
+        if j is None or i < max(first, k) or j < k or i + k > len(cur) or j + k > len(nxt):
+            continue
+        if np.array_equal(cur[i - k:i + k], nxt[j - k:j + k]):
+            return i, j
+    return None
+
+
+def _find_run(rows: np.ndarray, run: np.ndarray) -> int:
+    """Where ``run`` (rows of a shorter encoding of the same start of text) lies in ``rows``."""
+    if len(run) == 0:
+        return len(rows)
+    for i in np.nonzero((rows == run[0]).all(axis=1))[0]:
+        if np.array_equal(rows[i:i + len(run)], run):
+            return int(i)
+    raise RuntimeError("tokenize_text: a widened piece no longer encodes its start as before; this tokenizer's "
+                       "output depends on text far ahead")
+
+
 class TokenDataset:
     """A 1-D byte-token stream cut into ``(input_ids, labels)`` windows of ``seq_len``."""
 
@@ -72,9 +153,10 @@ class TokenDataset:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"TokenDataset({name}): seq_len must be a positive integer, got {seq_len!r}")
         if tokens.numel() < seq_len + 1:
+            unit = "bytes" if tokens.dtype == torch.uint8 else "tokens"
             raise ValueError(
-                f"TokenDataset({name}): {tokens.numel()} bytes is too short for seq_len {seq_len} "
-                f"(needs at least {seq_len + 1} bytes)")
+                f"TokenDataset({name}): {tokens.numel()} {unit} is too short for seq_len {seq_len} "
+                f"(needs at least {seq_len + 1} {unit})")
         self.tokens = tokens
         self.seq_len = seq_len
         self.name = name
@@ -99,20 +181,13 @@ class TokenDataset:
     def tokenized(cls, data: bytes | torch.Tensor, tokenizer, seq_len: int, name: str) -> "TokenDataset":
         """Text (UTF-8 bytes, or a uint8 tensor of them) cut into ids by a ``transformers`` tokenizer.
 
-        The text is encoded in pieces of about 1 MiB cut at newlines, so a long
-        file never makes one huge call; ids are int32.
+        The ids are exactly ``tokenizer(text, add_special_tokens=False)["input_ids"]``
+        (no BOS/EOS: the text is one stream), as int32, computed in bounded
+        pieces (:func:`tokenize_text`).
         """
         raw = bytes(data.numpy()) if isinstance(data, torch.Tensor) else bytes(data)
-        text = raw.decode("utf-8", errors="replace")
-        ids: list = []
-        start = 0
-        while start < len(text):
-            end = min(len(text), start + 2**20)
-            cut = text.rfind("\n", start, end) + 1 if end < len(text) else end
-            end = cut if cut > start else end
-            ids.extend(tokenizer(text[start:end], add_special_tokens=False)["input_ids"])
-            start = end
-        return cls(torch.tensor(ids, dtype=torch.int32), seq_len, name=f"{name} ({len(ids)} tokens)")
+        ids = tokenize_text(raw.decode("utf-8", errors="replace"), tokenizer)
+        return cls(ids, seq_len, name=f"{name} ({ids.numel()} tokens)")
 
     def __len__(self) -> int:
         return self.tokens.numel()

@@ -16,19 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from infinity.data import DEFAULT_CORPUS_BYTES, TokenDataset, stdlib_corpus
+from infinity.data import DEFAULT_CORPUS_BYTES, TokenDataset, stdlib_corpus, tokenize_text
+from infinity.train.errors import RankError
 from infinity.train.plan import Plan
 from infinity.train.sample import sample_text
+from infinity.train.tokenizer import load_tokenizer
 
 __all__ = ["make_datasets", "load_tokenizer", "evaluate", "sample_text"]
-
-
-def load_tokenizer(path: str | None):
-    """A local transformers tokenizer (never downloaded), or None for byte tokens."""
-    if path is None:
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def make_datasets(plan: Plan, tokenizer) -> tuple:
@@ -40,7 +34,19 @@ def make_datasets(plan: Plan, tokenizer) -> tuple:
         raw = stdlib_corpus(plan.corpus_bytes or DEFAULT_CORPUS_BYTES)
         name = "python-stdlib"
     if tokenizer is not None:
-        data = TokenDataset.tokenized(raw, tokenizer, plan.seq_len, name)
+        text = bytes(raw.numpy()) if isinstance(raw, torch.Tensor) else raw
+        ids = tokenize_text(text.decode("utf-8", errors="replace"), tokenizer)
+        # the plan could not know the length in tokens: say it here, as the plan does for bytes
+        flag = f"--data {plan.data}" if plan.data is not None else "the default corpus"
+        held_out = int(len(ids) * plan.val_fraction)
+        if len(ids) - held_out < plan.seq_len + 1:
+            raise RankError(f"{flag}: {len(ids)} tokens (tokenizer {plan.tokenizer}) is too short for "
+                            f"--seq-len {plan.seq_len}")
+        if plan.val_fraction and held_out < plan.seq_len + 1:
+            raise RankError(f"{flag}: its held-out {plan.val_fraction:g} ({held_out} tokens, tokenizer "
+                            f"{plan.tokenizer}) is too short for --seq-len {plan.seq_len}; raise --val-fraction, or "
+                            "hold nothing out with --val-fraction 0 --eval-every 0")
+        data = TokenDataset(ids, plan.seq_len, f"{name} ({len(ids)} tokens)")
     elif isinstance(raw, torch.Tensor):
         data = TokenDataset(raw, plan.seq_len, name)
     else:

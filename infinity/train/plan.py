@@ -21,6 +21,7 @@ from infinity.train.job_state import check_fresh_save_dir, new_run_dir, read_job
 from infinity.train.models import ModelSpec, build_model, max_positions, parse_model_spec
 from infinity.train.options import (DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
                                     DEFAULT_SWAP_DIR, DEFAULT_VAL_FRACTION, TrainOptions, default_config)
+from infinity.train.tokenizer import has_tokenizer_files, load_tokenizer
 
 __all__ = ["Plan", "resolve", "prepare_swap_dir", "with_swap_dir", "under_torchrun", "check_int"]
 
@@ -164,7 +165,8 @@ def resolve(options: TrainOptions, world_size: int) -> Plan:
                          f"(needs at least {seq_len + 1} bytes)")
     if corpus_bytes is not None and data is not None:
         raise TrainError("--corpus-bytes sizes the default corpus; it cannot be used with --data")
-    tokenizer = _tokenizer(pick(o.tokenizer, "tokenizer", None), spec)
+    tokenizer = _tokenizer(pick(o.tokenizer, "tokenizer", None), spec,
+                           "--tokenizer" if o.tokenizer is not None else "the checkpoint's tokenizer")
     if data is not None:
         _check_data(Path(data), seq_len, val_fraction, tokenizer is None)
 
@@ -232,29 +234,18 @@ def _config(o: TrainOptions, job: dict, steps: int) -> tuple:
     return config, corpus_bytes
 
 
-def _tokenizer(path: str | None, spec) -> str | None:
+def _tokenizer(path: str | None, spec, what: str) -> str | None:
     """The tokenizer directory: --tokenizer, else an hf:PATH model's own (if it has one), else None (bytes)."""
-    if path is None and spec.kind == "pretrained" and any(
-            (Path(spec.name) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        path = spec.name
+    if path is None and spec.kind == "pretrained" and has_tokenizer_files(spec.name):
+        path, what = spec.name, "the model's tokenizer"
     if path is None:
         return None
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise TrainError(f"--tokenizer {path}: not a directory (a local transformers tokenizer; nothing is "
-                         "downloaded)")
-    try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    except ImportError:
-        raise TrainError(f"--tokenizer {path}: needs the transformers package") from None
-    except (OSError, ValueError, KeyError) as e:
-        raise TrainError(f"--tokenizer {path}: cannot load a tokenizer there ({str(e).splitlines()[0]})") from None
+    tok = load_tokenizer(path, what)
     with torch.device("meta"):
         vocab = getattr(getattr(build_model(spec, 1)[0], "config", None), "vocab_size", None)
     if isinstance(vocab, int) and len(tok) > vocab:
-        raise TrainError(f"--tokenizer {path}: {len(tok)} tokens, more than the model's vocab_size {vocab}")
-    return str(p.resolve())
+        raise TrainError(f"{what} {path}: {len(tok)} tokens, more than the model's vocab_size {vocab}")
+    return str(Path(path).expanduser().resolve())
 
 
 def _check_data(data: Path, seq_len: int, val_fraction: float, as_bytes: bool) -> None:

@@ -4,7 +4,8 @@ Both decode the same way: the prompt is encoded (UTF-8 bytes, or the run's
 tokenizer), then each new token is drawn from the last position's logits over
 the last ``max_len`` tokens (no key/value cache: the models are small or the
 point is to watch learning, not speed), at ``temperature`` (0 = greedy) among
-the ``top_k`` most likely. Byte-level runs draw among the 256 byte tokens only.
+the ``top_k`` most likely, among the ids the tokenizer can decode (its
+``len()``, which a model's padded vocab may exceed; 256 bytes without one).
 
 ``infinity sample`` loads a checkpoint saved by ``infinity train``: the job
 state names the model and tokenizer; the weights are consolidated (streamed,
@@ -31,6 +32,11 @@ def encode(text: str, tokenizer) -> list:
     if tokenizer is not None:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(text.encode("utf-8"))
+
+
+def _vocab_limit(tokenizer) -> int:
+    """Draw only ids the tokenizer decodes: a model's vocab may be padded past it (decode drops such ids)."""
+    return len(tokenizer) if tokenizer is not None else _BYTES
 
 
 def decode(ids: list, tokenizer) -> str:
@@ -88,7 +94,7 @@ def sample_text(model, tokenizer, train_set, plan, world_size: int, device, step
         return t
 
     ids = generate(model, prompt, plan.sample_tokens, plan.seq_len, generator=gen, device=device,
-                   vocab_limit=None if tokenizer is not None else _BYTES,
+                   vocab_limit=_vocab_limit(tokenizer),
                    sync=from_rank0 if world_size > 1 else None)
     return decode(prompt + ids, tokenizer)
 
@@ -97,14 +103,14 @@ def sample_checkpoint(checkpoint, prompt: str, tokens: int = 64, temperature: fl
                       seed: int = 0) -> dict:
     """Load ``checkpoint`` (saved by ``infinity train``) and continue ``prompt``; returns the text and what ran."""
     from infinity.checkpoint import consolidate
-    from infinity.train.evaluate import load_tokenizer
     from infinity.train.job_state import read_job, resume_path
     from infinity.train.models import build_model, max_positions, parse_model_spec
+    from infinity.train.tokenizer import load_tokenizer
 
     step_dir = resume_path(str(checkpoint), None)
     job = read_job(step_dir)
     spec = parse_model_spec(job["model"])
-    tokenizer = load_tokenizer(job.get("tokenizer"))
+    tokenizer = load_tokenizer(job.get("tokenizer"), "the checkpoint's tokenizer")
     ids = encode(prompt, tokenizer)
     if not ids:
         raise ValueError("--prompt is empty; give some text to continue")
@@ -117,7 +123,7 @@ def sample_checkpoint(checkpoint, prompt: str, tokens: int = 64, temperature: fl
     max_len = max_positions(model) or int(job["seq_len"])
     gen = torch.Generator().manual_seed(seed)
     new = generate(model, ids, tokens, max_len, temperature=temperature, top_k=top_k, generator=gen,
-                   vocab_limit=None if tokenizer is not None else _BYTES)
+                   vocab_limit=_vocab_limit(tokenizer))
     return {"checkpoint": str(step_dir), "model": spec.text, "step": int(job["next_step"]), "prompt": prompt,
             "text": decode(ids + new, tokenizer), "tokens": len(new)}
 
