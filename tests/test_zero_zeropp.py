@@ -66,6 +66,7 @@ def test_byte_accounting_matches_the_estimate_exactly(volumes):
             assert got == want, f"rank {rank} {name} reduce {reduce}: counted {got}, estimate {want}"
             step = r["phases"]["step"]
             assert sum(step["bytes"].values()) == 0, "stage 3 moves nothing in the step"
+            assert r["gathered_exact"], f"{name}: engine.gathered() must show the exact parameters"
 
 
 def test_qwz_halves_the_bf16_all_gather_payload_to_the_byte(volumes):

@@ -52,8 +52,12 @@ def bytes_case(spec: dict) -> dict:
     take("step")
     opt.zero_grad()
     units = [(u.padded_numel, u.is_root) for u in engine.units]
+    from infinity.zero.units import TensorClass
+    with engine.gathered():   # exact even with qwZ: this rank's slice is its stored shard, bit for bit
+        exact = all(torch.equal(u.full_param[rank * u.shard_numel:(rank + 1) * u.shard_numel],
+                                u.shard.get(TensorClass.PARAM)) for u in engine.units)
     out = {"phases": phases, "after_forward": after_forward, "after_step": engine.resident_bytes(),
-           "units": units, "shard_world": engine.shard_world}
+           "units": units, "shard_world": engine.shard_world, "gathered_exact": exact}
     engine.close()
     return out
 

@@ -436,13 +436,15 @@ class ZeroEngine:
     @contextlib.contextmanager
     def gathered(self):
         """Every unit's full parameters live inside the block (stage 3 gathers, then releases them).
-        Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block."""
+        Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block; exact
+        even with ZeRO++'s qwZ (only the training step's gathers are quantized)."""
         self.settle()
         if self.stage != 3:
             yield
             return
-        for unit in self.units:
-            self.gather(unit)
+        with self.zeropp.exact_gathers():
+            for unit in self.units:
+                self.gather(unit)
         try:
             yield
         finally:

@@ -46,6 +46,7 @@ bytes would have crossed a node (:mod:`infinity.zero.collectives`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -97,6 +98,7 @@ class ZeroPlusPlus:
                                   "world only, so turn these off with tensor parallelism")
             self.intra, self.cross = _mesh_groups(coll, self.nodes, self.ranks_per_node)
         self._secondary: dict = {}   # unit index -> this rank's 1/ranks_per_node slice of its gathered params
+        self._exact = False          # inside exact_gathers(): no quantization
 
     # ------------------------------------------------------------ the parameter all-gather (qwZ, hpZ)
 
@@ -109,7 +111,7 @@ class ZeroPlusPlus:
             # the all-gather writes the buffer behind autograd's back (see gathers.py)
             with torch.autograd._unsafe_preserve_version_counter(full):
                 return self.intra.all_gather(full, secondary, async_op=True)
-        if not self.quantize_weights:
+        if not self.quantize_weights or self._exact:
             with torch.autograd._unsafe_preserve_version_counter(full):
                 return self.coll.all_gather(full, src, async_op=True)
         q, n, numel = self.weights_q, self.world_size, src.numel()
@@ -120,6 +122,15 @@ class ZeroPlusPlus:
             with torch.autograd._unsafe_preserve_version_counter(full):
                 q.dequantize(rows, numel, out=full.view(n, numel))
         return self.coll.all_gather(rows.view(-1), row, async_op=True, then=dequantize)
+
+    @contextlib.contextmanager
+    def exact_gathers(self):
+        """Gathers started inside are not quantized (``engine.gathered()``: weights for a user's eyes)."""
+        self._exact, before = True, self._exact
+        try:
+            yield
+        finally:
+            self._exact = before
 
     def keep_secondary(self, unit) -> None:
         """hpZ: ``unit``'s forward is done and it is about to be released: keep this rank's slice of the
