@@ -12,11 +12,12 @@ import torch.nn as nn
 from infinity.config import Config
 from infinity.zero.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
-from infinity.zero.materialize import is_meta_model
+from infinity.zero.materialize import is_meta_model, materialize_whole
 from infinity.zero.mesh import build_mesh
 from infinity.zero.optimizer import ZeroAdamW
 from infinity.zero.tensor_parallel import TensorParallel, apply_plan
 from infinity.zero.tp_plans import default_plan
+from infinity.zero.units import choose_unit_modules
 
 __all__ = ["initialize", "engine_of"]
 
@@ -57,7 +58,10 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     see :mod:`infinity.zero.tensor_parallel`) and shards each rank's split
     parameters over its ``dp`` group only. Every rank must build the same full
     model (same seed) before calling this; ``params`` may name the full
-    parameters, they are replaced by their slices.
+    parameters, they are replaced by their slices. A meta model is
+    materialized whole first (by ``init_fn`` or ``reset_parameters()``, same
+    values as unit by unit), then split: each rank briefly holds the full fp32
+    weights.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -73,9 +77,11 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     mesh = build_mesh(cfg.parallel.tensor, device.type)
     tp, coll = None, None
     if mesh.tp_size > 1:
-        if on_meta:
-            raise ValueError("initialize: parallel.tensor > 1 needs a materialized model (the tensor-parallel "
-                             "plan slices real weights); build it without the meta device")
+        if on_meta:   # the plan slices whole weights: materialize (and initialize) the model first
+            with torch.no_grad():
+                materialize_whole(model, [m for _, m in choose_unit_modules(model, cfg.zero.unit_classes)],
+                                  init_fn, device)
+            init_fn = None
         tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank)
         replaced = apply_plan(model, tp_plan if tp_plan is not None else default_plan(model), tp)
         for g in groups:

@@ -115,15 +115,21 @@ def test_resident_bytes_stage3(worlds):
     del torch
 
 
-def test_hf_gpt2_llama_bf16_host(worlds):
+def test_hf_gpt2_llama_bf16_host_fp16(worlds):
     """tp2 x dp2: HF GPT-2 (Conv1D) at stages 1 and 3 and Llama at stage 3, fp32 tight; the GPT with bf16
     compute (bf16 activation all-reduces) at stage 3 against the fp32 reference, loose as in
-    test_zero_equivalence; the GPT with the optimizer on host at stage 2."""
+    test_zero_equivalence; the GPT with the optimizer on host at stage 2; fp16 overflow skips agree."""
     pytest.importorskip("transformers")
     from test_zero_equivalence import BF16_TOL
     specs = [dict(BASE, model="hf_gpt2", stage=s, tp=2) for s in (1, 3)] + [dict(BASE, model="hf_llama", stage=3, tp=2)]
     specs += [dict(BASE, stage=3, tp=2, dtype="bf16"), dict(BASE, stage=2, tp=2, host=True)]
-    for spec, got in zip(specs, _run(worlds, 4, specs)[0]):
+    # fp16 from a scale that overflows: every rank skips the same steps, replicated weights stay equal
+    specs += [dict(BASE, stage=1, tp=2, dtype="fp16", initial_loss_scale=2.0**60)]
+    per_rank = _run(worlds, 4, specs)
+    fp16 = [r[-1] for r in per_rank]
+    assert fp16[0]["skipped"] >= 1 and all(r["skipped"] == fp16[0]["skipped"] for r in fp16), fp16
+    assert all(r["replicated_equal"] for r in fp16)
+    for spec, got in zip(specs[:-1], per_rank[0]):
         if spec.get("dtype") == "bf16":
             compare(got, reference(spec), **BF16_TOL)
         else:

@@ -16,6 +16,8 @@ from zero_cases import _loss, build_model, config_for, global_batch, param_group
 def tp_config(spec: dict) -> dict:
     cfg = config_for(spec)
     cfg["parallel"] = {"tensor": spec["tp"]}
+    if "initial_loss_scale" in spec:
+        cfg["precision"]["initial_loss_scale"] = spec["initial_loss_scale"]
     if spec.get("nvme"):
         cfg["offload"] = {"optimizer": "nvme", "params": "nvme"}
         cfg["tiers"] = {"nvme_path": spec["nvme"]}
@@ -74,7 +76,7 @@ def train_tp_case(spec: dict) -> dict:
     resident = engine.resident_bytes()
     out = {"losses": losses, "norms": norms, "params": params, "stats": stats, "replicated_equal": replicated_equal,
            "resident": resident, "psi": engine.padded_numel, "dp": dp, "tp": engine.tp.size if engine.tp else 1,
-           "root_psi": sum(u.padded_numel for u in engine.units if u.is_root)}
+           "root_psi": sum(u.padded_numel for u in engine.units if u.is_root), "skipped": opt.skipped_steps}
     engine.close()
     return out
 

@@ -58,7 +58,9 @@ def make_datasets(plan: Plan, tokenizer) -> tuple:
 
 @torch.no_grad()
 def evaluate(model, loss_fn, val: TokenDataset, plan: Plan, rank: int, world_size: int, device) -> float:
-    """Mean loss over ``plan.eval_batches`` held-out global batches, averaged over ranks (every rank calls it)."""
+    """Mean loss over ``plan.eval_batches`` held-out global batches, averaged over ranks (every rank calls it).
+    ``rank`` / ``world_size`` split the data (the data-parallel axis); the mean is over every rank, which under
+    tensor parallelism counts each dp row's equal losses once per tp rank, the same mean."""
     was_training = model.training
     model.eval()
     try:
@@ -66,8 +68,9 @@ def evaluate(model, loss_fn, val: TokenDataset, plan: Plan, rank: int, world_siz
         for i in range(plan.eval_batches):
             input_ids, labels = val.micro_batches(i, plan.batch_size, plan.seed, rank, world_size, 1)[0]
             total += loss_fn(model, input_ids.to(device), labels.to(device)).double()
-        if world_size > 1:
+        ranks = dist.get_world_size() if dist.is_initialized() else 1
+        if ranks > 1:
             dist.all_reduce(total)
-        return float(total) / (plan.eval_batches * world_size)
+        return float(total) / (plan.eval_batches * ranks)
     finally:
         model.train(was_training)

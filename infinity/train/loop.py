@@ -79,6 +79,9 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     tracer.record_step(plan.trace_step if plan.trace else None)
     report = Reporter(plan, rank, engine, num_params) if rank == 0 else None
     tokens_per_step = plan.batch_size * plan.seq_len
+    # data is split over the data-parallel axis: the tensor-parallel ranks of one dp row must see the same
+    # batch (parallel.tensor > 1); without tensor parallelism these are the rank and the world size
+    data_rank, data_world = engine.rank, engine.world_size
     clip = config.schedule.clip_grad_norm
     interrupted, steps_done, saved_at = False, plan.start_step, plan.start_step
     try:
@@ -86,7 +89,8 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
             t0 = time.perf_counter()
             extra = {"lr": optimizer.param_groups[0]["lr"]}
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            micro_batches = train_set.micro_batches(step, plan.batch_size, plan.seed, rank, world_size, plan.accum)
+            micro_batches = train_set.micro_batches(step, plan.batch_size, plan.seed, data_rank, data_world,
+                                                    plan.accum)
             for micro, (input_ids, labels) in enumerate(micro_batches):
                 input_ids, labels = input_ids.to(device), labels.to(device)
                 with tracer.span("forward", step=step, micro=micro):
@@ -115,7 +119,7 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
                 _dump_trace(tracer, plan.trace, rank, world_size)
             if val_set is not None and plan.eval_every and (steps_done % plan.eval_every == 0
                                                             or steps_done == plan.steps):
-                extra["val_loss"] = evaluate(model, loss_fn, val_set, plan, rank, world_size, device)
+                extra["val_loss"] = evaluate(model, loss_fn, val_set, plan, data_rank, data_world, device)
                 extra["val_perplexity"] = math.exp(min(extra["val_loss"], 700.0))
                 if report is not None:
                     report.say(f"step {steps_done}: val loss {extra['val_loss']:.4f}, "

@@ -141,6 +141,8 @@ class ZeroEngine:
             self.grads.square_sum = tp_norm.square_sum
             # the global norm over both axes in one all-reduce (stage 0: dp ranks hold equal gradients)
             self.grads.norm_coll = self.world_coll if self.stage > 0 else self.tp.coll
+            # fp16: an overflow on any rank skips the step on all, or tp ranks' replicated weights part
+            self.grads.overflow_coll = self.world_coll
 
         if self.placement.any_offload:   # refused before anything is written
             _check_budgets(self.placement, self.units, self.stage, self.param_dtype, self.reduce_dtype,

@@ -76,6 +76,7 @@ class GradReducer:
         # stage 0 holds the whole reduced gradient); tensor parallelism replaces both (engine)
         self.square_sum = lambda unit, grad: grad.float().pow(2).sum()
         self.norm_coll = coll if stage > 0 else None
+        self.overflow_coll = coll   # fp16: every rank that must skip a step together (tp: the whole world)
 
     # ------------------------------------------------------------ layout
 
@@ -238,7 +239,7 @@ class GradReducer:
             for unit in self.units:
                 self._note_non_finite(unit.shard.get(TensorClass.GRAD))
         flag, self._inf_flag = self._inf_flag.to(self.device), torch.zeros(1, dtype=torch.float32)
-        self.coll.all_reduce_max(flag)
+        self.overflow_coll.all_reduce_max(flag)
         if flag.item() > 0:
             return True
         self.multiplier /= loss_scale

@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta", "place_units"]
+__all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta", "place_units",
+           "materialize_whole"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -142,3 +143,21 @@ def place_units(model: nn.Module, units: list, init_fn: Callable | None, place: 
                 left[unit.index] -= 1
                 if left[unit.index] == 0:
                     place(unit, flats.pop(unit.index))
+
+
+def materialize_whole(model: nn.Module, unit_modules: list, init_fn: Callable | None, device) -> None:
+    """Give every parameter of a meta model its own real fp32 storage and run the initializers, in the same
+    order (so the same values under the same seed) as :func:`place_units`, but keeping the whole model.
+
+    Tensor parallelism needs this: its plan slices whole weights, so each rank holds the full model for a
+    moment (peak: its fp32 parameters) before the split; unit-at-a-time materialization of split
+    parameters is not implemented.
+    """
+    check_no_meta(model)
+    by_id = {id(p): p for p in model.parameters()}
+    for step in init_plan(model, unit_modules):
+        for pid in step.param_ids:
+            p = by_id[pid]
+            give_storage(p, torch.empty(p.shape, dtype=torch.float32 if p.is_floating_point() else p.dtype,
+                                        device=device))
+        run_init(step, init_fn)
