@@ -106,7 +106,7 @@ class ZeroPlusPlus:
         """Launch ``unit``'s all-gather into ``full`` (its storage allocated); a Pending. From the secondary
         shard inside the node if there is one (hpZ, backward), else from ``src`` across the world, quantized
         with qwZ, plain otherwise."""
-        secondary = self._secondary.get(unit.index)
+        secondary = self._secondary.get(unit.index) if self.has_secondary(unit.index) else None
         if secondary is not None:
             # the all-gather writes the buffer behind autograd's back (see gathers.py)
             with torch.autograd._unsafe_preserve_version_counter(full):
@@ -142,8 +142,9 @@ class ZeroPlusPlus:
         self._secondary[unit.index] = unit.full_param[lo:lo + slice_numel].clone()
 
     def has_secondary(self, unit_index: int) -> bool:
-        """hpZ: the unit's next gather runs inside the node (its stored shard need not be read)."""
-        return unit_index in self._secondary
+        """hpZ: the unit's next gather runs inside the node (its stored shard need not be read); not
+        inside :meth:`exact_gathers` (with qwZ the secondary shards hold the forward's quantized values)."""
+        return not self._exact and unit_index in self._secondary
 
     def drop_secondaries(self) -> None:
         """The backward is over (or abandoned): the next step's weights differ, the slices are stale."""
