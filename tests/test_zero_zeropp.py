@@ -134,8 +134,9 @@ def test_convergence_and_exactness_short(worlds):
     specs = [dict(base, pp=SWITCHES[n]) for n in names]
     specs.append(dict(base, steps=6, pp=SWITCHES["all"], offload={"params": "host", "optimizer": "host"}))
     specs += [dict(base, stage=stage, steps=10, pp=SWITCHES["qgZ"]) for stage in (1, 2)]
+    specs.append(dict(base, steps=6, pp=SWITCHES["all"], checkpointing=True))
     w = worlds(WORLD)
-    extra = ("all_offload", "qgZ_stage1", "qgZ_stage2")
+    extra = ("all_offload", "qgZ_stage1", "qgZ_stage2", "all_checkpointed")
     got = dict(zip(names + extra, w.run(zeropp_cases.many, "train_case", specs)[0]))
     # switches off: the node layout only labels bytes; bitwise the engine without a zeropp section
     ref = w.run(zero_cases.train_case, dict(base, steps=4, batch=8))[0]   # steps < cycle: the same batches
@@ -150,6 +151,8 @@ def test_convergence_and_exactness_short(worlds):
         assert abs(losses[-1] - plain[-1]) <= 0.01 * plain[-1], (name, losses[-1], plain[-1])
     # host offload: quantization is on the gathered path, the stored shards are exact
     assert got["all_offload"]["losses"] == got["all"]["losses"][:6]
+    # activation checkpointing recomputes each unit inside its backward, from the same gathered values
+    assert got["all_checkpointed"]["losses"] == got["all"]["losses"][:6]
     # qgZ is the reduce-scatter of stages 1 and 2 too
     for stage in (1, 2):
         losses = got[f"qgZ_stage{stage}"]["losses"]

@@ -11,11 +11,13 @@ from zero_cases import _loss, backward_on_share, build_model, global_batch
 
 def config_for(spec: dict) -> dict:
     """zero_cases' config plus a ``zeropp`` section from the spec's ``pp`` dict (2 ranks a "node"),
-    and the spec's ``offload`` section if any."""
+    the spec's ``offload`` section if any, and activation checkpointing if ``checkpointing``."""
     cfg = zero_cases.config_for(spec)
     cfg["zeropp"] = dict({"ranks_per_node": spec.get("ranks_per_node", 2)}, **spec.get("pp", {}))
     if spec.get("offload"):
         cfg["offload"] = spec["offload"]
+    if spec.get("checkpointing"):
+        cfg["zero"]["activation_checkpointing"] = True
     return cfg
 
 
