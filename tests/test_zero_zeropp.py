@@ -64,6 +64,9 @@ def test_byte_accounting_matches_the_estimate_exactly(volumes):
                    "grad_reduce": (_intra(r, "backward", "reduce_scatter"), _cross(r, "backward", "reduce_scatter"))}
             want = {k: (v["intra"], v["cross"]) for k, v in est.items()}
             assert got == want, f"rank {rank} {name} reduce {reduce}: counted {got}, estimate {want}"
+            for phase in r["phases"].values():   # the split is of what this rank sends
+                for kind, sent in phase["sent_bytes"].items():
+                    assert phase["intra_node_bytes"][kind] + phase["cross_node_bytes"][kind] == sent, (name, kind)
             step = r["phases"]["step"]
             assert sum(step["bytes"].values()) == 0, "stage 3 moves nothing in the step"
             assert r["gathered_exact"], f"{name}: engine.gathered() must show the exact parameters"

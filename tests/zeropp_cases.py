@@ -41,7 +41,7 @@ def bytes_case(spec: dict) -> dict:
 
     def take(name):
         snap = counters.snapshot()
-        phases[name] = {k: snap[k] for k in ("bytes", "intra_node_bytes", "cross_node_bytes", "calls")}
+        phases[name] = {k: snap[k] for k in ("bytes", "intra_node_bytes", "cross_node_bytes", "calls", "sent_bytes")}
         counters.reset()
 
     counters.reset()

@@ -16,7 +16,7 @@ ranks share a node) the bytes this rank sends are also split into
 collective delivers from this rank to each other member of its group, booked
 by whether that member is on this rank's node. An all-gather delivers this
 rank's shard to every other member, a reduce-scatter (or an all-to-all) one
-slice to each, an all-reduce twice that. Summed over the group this equals
+slice to each, an all-reduce twice that. For every call the two add up to
 ``sent_bytes``; it is the count the ZeRO++ paper uses for cross-node volume,
 and what :mod:`infinity.estimate` predicts. Without a layout every rank is on
 one node: cross-node bytes are 0. :meth:`Collectives.subgroup` makes the same
