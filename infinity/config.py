@@ -473,6 +473,9 @@ class Config:
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
         self._check_zeropp()
+        if self.parallel.tensor > 1 and self.zeropp.enabled:
+            raise ConfigError("zeropp: not with parallel.tensor > 1 yet (ZeRO++'s node groups assume consecutive "
+                              "data-parallel ranks; with tensor parallelism they are parallel.tensor apart)")
 
     def _check_zeropp(self):
         pp, stage = self.zeropp, self.zero.stage

@@ -118,11 +118,13 @@ def test_resident_bytes_stage3(worlds):
 def test_hf_gpt2_llama_bf16_host_fp16(worlds):
     """tp2 x dp2: HF GPT-2 (Conv1D) at stages 1 and 3 and Llama at stage 3, fp32 tight; the GPT with bf16
     compute (bf16 activation all-reduces) at stage 3 against the fp32 reference, loose as in
-    test_zero_equivalence; the GPT with the optimizer on host at stage 2; fp16 overflow skips agree."""
+    test_zero_equivalence; the GPT with the optimizer on host at stage 2, and at stage 3 with
+    optimizer.overlap_backward; fp16 overflow skips agree."""
     pytest.importorskip("transformers")
     from test_zero_equivalence import BF16_TOL
     specs = [dict(BASE, model="hf_gpt2", stage=s, tp=2) for s in (1, 3)] + [dict(BASE, model="hf_llama", stage=3, tp=2)]
-    specs += [dict(BASE, stage=3, tp=2, dtype="bf16"), dict(BASE, stage=2, tp=2, host=True)]
+    specs += [dict(BASE, stage=3, tp=2, dtype="bf16"), dict(BASE, stage=2, tp=2, host=True),
+              dict(BASE, stage=3, tp=2, host=True, overlap=True)]
     # fp16 from a scale that overflows: every rank skips the same steps, replicated weights stay equal
     specs += [dict(BASE, stage=1, tp=2, dtype="fp16", initial_loss_scale=2.0**60)]
     per_rank = _run(worlds, 4, specs)
@@ -134,6 +136,19 @@ def test_hf_gpt2_llama_bf16_host_fp16(worlds):
             compare(got, reference(spec), **BF16_TOL)
         else:
             compare_tp(got, reference(spec))
+
+
+def test_user_plan_and_param_groups(worlds):
+    """A model no default plan knows, split by a user plan; two param groups naming the full parameters
+    (remapped to their slices) with their own lr and decay; accumulation-free, clipping that bites."""
+    from infinity.zero.tensor_parallel import Colwise, Rowwise
+    from zero_cases import reference_run
+    plan = {"blocks.*.up": Colwise(), "blocks.*.down": Rowwise()}
+    specs = [dict(BASE, model="mlp_stack", stage=s, tp=2, plan=plan, groups=True, clip=0.05) for s in (1, 3)]
+    for spec, got in zip(specs, _run(worlds, 4, specs)[0]):
+        ref = reference_run(spec, build=tp_cases.build_tp_model)
+        assert all(n > spec["clip"] for n in ref["norms"])
+        compare(got, ref, **FP32_TOL)
 
 
 def test_hf_gpt2_consolidate_from_pretrained(worlds, tmp_path):
@@ -170,6 +185,8 @@ def test_config_section():
         Config.from_dict({"parallel": {"tensors": 2}})
     with pytest.raises(ConfigError, match=r"parallel.tensor: expected an integer >= 1, got 0"):
         Config.from_dict({"parallel": {"tensor": 0}})
+    with pytest.raises(ConfigError, match=r"zeropp: not with parallel.tensor > 1"):
+        Config.from_dict({"parallel": {"tensor": 2}, "zeropp": {"quantize_grads": True}})
 
 
 def test_tensor_parallel_needs_a_world():

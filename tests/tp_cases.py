@@ -13,6 +13,43 @@ import torch.distributed as dist
 from zero_cases import _loss, build_model, config_for, global_batch, param_groups
 
 
+class _UpDown(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.up = torch.nn.Linear(width, 4 * width)
+        self.down = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class MLPStack(torch.nn.Module):
+    """A model no default plan knows: a user plan splits its up / down layers."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        from zero_cases import VOCAB
+        self.emb = torch.nn.Embedding(VOCAB, width)
+        self.blocks = torch.nn.ModuleList(_UpDown(width) for _ in range(2))
+        self.head = torch.nn.Linear(width, VOCAB)
+
+    def forward(self, input_ids, labels=None):
+        from zero_cases import VOCAB, Out
+        x = self.emb(input_ids)
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(x)
+        return Out(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1)), logits)
+
+
+def build_tp_model(kind: str, seed: int = 0):
+    if kind == "mlp_stack":
+        torch.manual_seed(seed)
+        return MLPStack()
+    return build_model(kind, seed)
+
+
 def tp_config(spec: dict) -> dict:
     cfg = config_for(spec)
     cfg["parallel"] = {"tensor": spec["tp"]}
@@ -23,6 +60,7 @@ def tp_config(spec: dict) -> dict:
         cfg["tiers"] = {"nvme_path": spec["nvme"]}
     if spec.get("host"):
         cfg["offload"] = {"optimizer": "host"}
+        cfg["optimizer"]["overlap_backward"] = bool(spec.get("overlap"))
     return cfg
 
 
@@ -45,8 +83,9 @@ def train_tp_case(spec: dict) -> dict:
     """Train the spec; world rank 0 returns losses, norms, full params, and per-step stats."""
     import infinity
 
-    model = build_model(spec["model"], spec.get("seed", 0))
-    model, opt = infinity.initialize(model, tp_config(spec), params=param_groups(model, spec))
+    model = build_tp_model(spec["model"], spec.get("seed", 0))
+    model, opt = infinity.initialize(model, tp_config(spec), params=param_groups(model, spec),
+                                     tp_plan=spec.get("plan"))
     engine = infinity.engine_of(model)
     dp, dp_rank = engine.world_size, engine.rank
     losses, norms, stats = [], [], []

@@ -236,6 +236,14 @@ def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel) -> dict:
         for n, style in matched.items():
             if isinstance(style, (Colwise, Rowwise)):
                 _split_layer(modules[n], n, style, tp, names_of, replaced)
+    # a tp rank that split differently would hang (or silently mix) in the first activation all-reduce
+    params = dict(model.named_parameters())
+    mine = sorted((n, s.dim, s.parts, tuple(params[n].shape)) for n, s in tp.specs.items())
+    every = tp.coll.all_gather_object(mine)
+    bad = next((r for r, theirs in enumerate(every) if theirs != every[0]), None)
+    if bad is not None:
+        raise RuntimeError(f"tensor parallel plan: tp rank {bad} split the model differently from tp rank 0; every "
+                           "rank must build the same model and pass the same plan")
     return replaced
 
 
