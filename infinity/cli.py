@@ -43,7 +43,8 @@ def _add_estimate(sub) -> None:
                         "(default: from --config's precision.param_dtype, else mixed)")
     p.add_argument("--config", metavar="FILE", help="also estimate this config's stage, offload and dtypes")
     p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="also ZeRO x tensor parallelism rows: N tp ways, --devices / N dp ranks (needs --model)")
+                   help="also ZeRO x tensor parallelism rows: N tp ways, --devices / N dp ranks (needs --model; "
+                        "default: --config's parallel.tensor)")
     p.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="tokens per dp rank per step, for the tp-axis bytes (default: the model's block size)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
@@ -73,6 +74,8 @@ def _run_estimate(args) -> int:
         except ValueError as e:
             raise UsageError(f"--params: {e}") from None
     config = Config.from_file(args.config) if args.config else None
+    if config is not None and config.parallel.tensor > 1 and args.tp == 1:
+        args.tp = config.parallel.tensor   # the config's tensor parallelism gets its rows too
     precision = args.precision
     if precision is None:
         precision = "fp32" if config is not None and config.precision.param_dtype == "fp32" else "mixed"

@@ -82,7 +82,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
                 materialize_whole(model, [m for _, m in choose_unit_modules(model, cfg.zero.unit_classes)],
                                   init_fn, device)
             init_fn = None
-        tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank)
+        tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device_mesh)
         replaced = apply_plan(model, tp_plan if tp_plan is not None else default_plan(model), tp)
         for g in groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]

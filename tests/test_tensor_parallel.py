@@ -95,8 +95,6 @@ def test_tp2_dp1_gpt_and_resident_bytes(worlds):
 def test_resident_bytes_stage3(worlds):
     """Stage 3, tp2 x dp2 and tp4 x dp1: every rank holds 16 Ψ_local / dp bytes, Ψ_local = Ψ_split / tp +
     Ψ_replicated (+ padding): the split part is 16 Ψ_split / (tp dp)."""
-    import torch
-
     from infinity.tp_estimate import split_params
     from infinity.zero.tp_plans import GPT_PLAN
     from zero_cases import build_model
@@ -112,7 +110,6 @@ def test_resident_bytes_stage3(worlds):
             assert r["resident"] == {"params": 4 * psi // dp, "grads": 4 * psi // dp, "optimizer": 8 * psi // dp}
             local = split // tp + (total - split)
             assert local <= psi < local + 6 * 4096, (psi, local)   # padding: < one 4 KiB block per unit
-    del torch
 
 
 def test_hf_gpt2_llama_bf16_host_fp16(worlds):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 __all__ = ["ParallelMesh", "build_mesh"]
@@ -69,7 +68,3 @@ def build_mesh(tensor: int, device_type: str = "cpu") -> ParallelMesh:
     return ParallelMesh(tp_size=tensor, dp_size=world // tensor, tp_rank=tp_rank, dp_rank=dp_rank, world_rank=rank,
                         device_mesh=mesh, tp_group=mesh.get_group("tp"), dp_group=mesh.get_group("dp"))
 
-
-def mesh_device_type() -> str:
-    """``cuda`` when this process computes on a GPU, else ``cpu`` (the mesh's device type)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -121,8 +121,9 @@ def full_shape(local_shape, spec: TPSpec | None, size: int) -> list:
 class TensorParallel:
     """This rank's tensor-parallel group, its byte counters (the ``tp`` axis), and every parameter's split."""
 
-    def __init__(self, group, size: int, rank: int):
+    def __init__(self, group, size: int, rank: int, device_mesh=None):
         self.size, self.rank = size, rank
+        self.device_mesh = device_mesh   # the 2-D ("dp", "tp") DeviceMesh this group is a dimension of
         self.coll = Collectives(group)   # counts every activation all-reduce (last_step["collectives_tp"])
         self.specs: dict = {}            # parameter name -> TPSpec; absent: replicated over tp
 
