@@ -237,3 +237,25 @@ def test_estimate_tp_rows(capsys):
     assert plain["tp_volume_elements"] == 0 and plain["dp"] == 8
     assert main(["estimate", "--params", "7B", "--devices", "8", "--tp", "2"]) == 2
     assert "--tp: needs --model" in capsys.readouterr().err
+
+
+def test_infinity_train_tp2(capsys, tmp_path, monkeypatch):
+    """``infinity train --nproc 2`` with parallel.tensor 2 (the built-in GPT, built on meta, materialized whole
+    then split; both tp ranks fed the same batch) follows the one-rank run's losses to fp32 noise."""
+    import json
+
+    from infinity.cli import main
+    monkeypatch.chdir(tmp_path)
+    base = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32"}}
+    losses = {}
+    for name, nproc, cfg in (("one", "1", base), ("tp2", "2", dict(base, parallel={"tensor": 2}))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        metrics = tmp_path / f"{name}.jsonl"
+        rc = main(["train", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--steps", "3",
+                   "--nproc", nproc, "--config", str(tmp_path / f"{name}.json"), "--no-progress", "--json",
+                   "--eval-every", "3", "--save-dir", str(tmp_path / name), "--metrics", str(metrics)])
+        summary = json.loads(capsys.readouterr().out)
+        assert rc == 0
+        losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        losses[name].append(summary["val_loss"])
+    assert max(abs(a - b) for a, b in zip(losses["one"], losses["tp2"])) < 1e-5, losses
