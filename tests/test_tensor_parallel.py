@@ -195,7 +195,8 @@ def test_tensor_parallel_needs_a_world():
 
 def test_checkpoint_reshard_chain(worlds, tmp_path):
     """tp2 x dp2 (stage 3) -> tp1 x dp1 (stage 1, one process) -> tp2 x dp1 (stage 2), two steps each: the
-    losses continue within 5e-5 of an uninterrupted tp2 x dp2 run; consolidate gives a plain GPT state dict."""
+    losses continue within 5e-5 of an uninterrupted tp2 x dp2 run (also tp2 x dp2 -> tp2 x dp1 directly);
+    consolidate gives a plain GPT state dict."""
     import torch
 
     from infinity.checkpoint import consolidate
@@ -209,6 +210,9 @@ def test_checkpoint_reshard_chain(worlds, tmp_path):
     chain = a["losses"] + b["losses"] + c["losses"]
     worst = max(abs(x - y) for x, y in zip(chain, whole))
     assert worst <= 5e-5, (chain, whole)
+    # the same tp ways at another dp (each tp rank reads its own slices by ranges): tp2 x dp2 -> tp2 x dp1
+    d = worlds(2).run(tp_cases.tp_segment, dict(spec, stage=1, tp=2), a["path"], str(tmp_path / "d"), 2, 4)[0]
+    assert max(abs(x - y) for x, y in zip(d["losses"], whole[2:4])) <= 5e-5, (d["losses"], whole)
     # consolidate the tp2 x dp2 checkpoint: a plain state dict a fresh single-process GPT loads strictly
     out = consolidate(a["path"], tmp_path / "plain")
     from safetensors.torch import load_file
