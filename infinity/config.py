@@ -338,6 +338,9 @@ class ParallelConfig:
     """
 
     tensor: int = _f(1, _int(1), "tensor-parallel ways (adjacent ranks); data parallel = world size / tensor")
+    sequence: bool = _f(False, _bool, "with tensor > 1, sequence parallelism: norms and residual stream run on "
+                        "1 / tensor of the sequence (their activations / tensor, same tp bytes); the default plan "
+                        "of the built-in GPT; the sequence length must divide by tensor")
 
 
 _SECTIONS = {

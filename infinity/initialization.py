@@ -83,7 +83,8 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
                                   init_fn, device)
             init_fn = None
         tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device_mesh)
-        replaced = apply_plan(model, tp_plan if tp_plan is not None else default_plan(model), tp)
+        plan = tp_plan if tp_plan is not None else default_plan(model, cfg.parallel.sequence)
+        replaced = apply_plan(model, plan, tp)
         for g in groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
         coll = Collectives(mesh.dp_group) if mesh.dp_size > 1 else LocalCollectives()

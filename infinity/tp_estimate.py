@@ -18,6 +18,14 @@ volume: an all-reduce counts twice):
   volume ``8 L C``, in the compute dtype; stays inside a node.
 - the clip norm, when clipping: one 1-element all-reduce over the world.
 
+With sequence parallelism (``parallel.sequence``, built-in GPT plan) each
+all-reduce becomes a reduce-scatter plus an all-gather (the same volume), and
+the plan's boundaries add: the embeddings' gradients all-gathered in backward
+(``tokens C + seq C``), the final norm's output all-gathered in forward
+(``tokens C``), and the sequence-sharded parameters' gradients summed
+(``6 L C + 2 C`` elements all-reduced: two norms and two row biases a block,
+and the final norm) — :func:`tp_step_volume` with ``seq_len``.
+
 TP pays when the per-rank state does not fit even at ZeRO-3 over the nodes'
 dp ranks, or when the dp axis is slow: it divides state, activations of the
 split layers and dp-axis bytes by ``T`` at the price of ``8 L C`` tp-axis
@@ -90,9 +98,15 @@ def _zero_state(psi: int, n: int, stage: int) -> int:
     return {0: 16 * psi, 1: 4 * psi + 12 * shard, 2: 2 * psi + 14 * shard, 3: 16 * shard}[stage]
 
 
-def tp_step_volume(split: TPSplit, tokens_per_rank: int) -> int:
-    """tp-axis volume per step (elements; all-reduce counted twice): 8 L C per token."""
-    return 8 * split.n_layer * split.n_embd * tokens_per_rank
+def tp_step_volume(split: TPSplit, tokens_per_rank: int, seq_len: int | None = None) -> int:
+    """tp-axis volume per step (elements; all-reduce counted twice): 8 L C per token; with ``seq_len``,
+    sequence parallelism's (see the module doc; exact for the built-in GPT's plan)."""
+    L, C = split.n_layer, split.n_embd
+    if seq_len is None:
+        return 8 * L * C * tokens_per_rank
+    all_gather = (4 * L + 2) * tokens_per_rank * C + seq_len * C
+    reduce_scatter = 4 * L * tokens_per_rank * C
+    return all_gather + reduce_scatter + 2 * (6 * L * C + 2 * C)
 
 
 def dp_step_volume(psi_local: int, root_local: int, stage: int, reshard_after_forward: bool = True) -> int:

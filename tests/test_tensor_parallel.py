@@ -58,17 +58,22 @@ def _check_volume(spec, got):
     tokens = spec["batch"] // got["dp"] * SEQ
     split = TPSplit(total=0, split=0, n_layer=N_LAYER, n_embd=N_EMBD)
     tp_vol = last["collectives_tp"]["volume_elements"]
-    assert tp_vol == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": tp_step_volume(split, tokens),
-                      "broadcast": 0}, (spec, tp_vol)
+    if spec.get("sp"):
+        assert sum(tp_vol.values()) == tp_step_volume(split, tokens, seq_len=SEQ), (spec, tp_vol)
+    else:
+        assert tp_vol == {"all_gather": 0, "reduce_scatter": 0, "all_reduce": tp_step_volume(split, tokens),
+                          "broadcast": 0}, (spec, tp_vol)
     assert last["collectives_world"]["elements"]["all_reduce"] == (1 if spec.get("clip") else 0)
 
 
 def test_tp2_dp2_and_tp4_gpt(worlds, tmp_path):
     """World 4: tp2 x dp2 at stages 0-3 (stage 2 with clipping that bites), tp4 x dp1 at 1 and 3,
-    and tp2 x dp2 stage 3 with params + optimizer on NVMe."""
+    tp2 x dp2 stage 3 with params + optimizer on NVMe, and the same with sequence parallelism."""
     specs = [dict(BASE, stage=s, tp=2) for s in (0, 1, 3)] + [dict(BASE, stage=2, tp=2, clip=0.05)]
     specs += [dict(BASE, stage=s, tp=4) for s in (1, 3)]
     specs += [dict(BASE, stage=3, tp=2, nvme=str(tmp_path / "swap"))]
+    # sequence parallelism (parallel.sequence): tp2 x dp2 at 1 and 3, tp4 x dp1 at 3 with clipping
+    specs += [dict(BASE, stage=s, tp=2, sp=True) for s in (1, 3)] + [dict(BASE, stage=3, tp=4, sp=True, clip=0.05)]
     per_rank = _run(worlds, 4, specs)
     for spec, got in zip(specs, per_rank[0]):
         ref = reference(spec)
@@ -166,11 +171,13 @@ def test_errors(worlds):
     from infinity.zero.tensor_parallel import Colwise
     cases = [dict(model="gpt", stage=1, lr=1e-3, tp=3),
              dict(model="cross_tied", stage=1, lr=1e-3, tp=2),
-             dict(model="gpt", stage=1, lr=1e-3, tp=2, plan={"nothing.*": Colwise()})]
+             dict(model="gpt", stage=1, lr=1e-3, tp=2, plan={"nothing.*": Colwise()}),
+             dict(model="hf_gpt2", stage=1, lr=1e-3, tp=2, sp=True)]
     out = [worlds(2).run(tp_cases.error_tp_case, c)[0] for c in cases]
     assert "parallel.tensor: 3 does not divide the world size 2" in out[0], out[0]
     assert "no default tensor-parallel plan for CrossTied" in out[1], out[1]
     assert "'nothing.*' matches no module" in out[2], out[2]
+    assert "no default sequence-parallel plan for GPT2LMHeadModel" in out[3], out[3]
 
 
 def test_config_section():

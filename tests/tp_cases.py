@@ -52,7 +52,7 @@ def build_tp_model(kind: str, seed: int = 0):
 
 def tp_config(spec: dict) -> dict:
     cfg = config_for(spec)
-    cfg["parallel"] = {"tensor": spec["tp"]}
+    cfg["parallel"] = {"tensor": spec["tp"], "sequence": bool(spec.get("sp"))}
     if "initial_loss_scale" in spec:
         cfg["precision"]["initial_loss_scale"] = spec["initial_loss_scale"]
     if spec.get("nvme"):

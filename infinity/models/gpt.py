@@ -85,14 +85,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)       # residual projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        # (B, T, C) each; under tensor parallelism c_attn is column-split and n_head is this rank's
-        # heads, so these are (B, T, C / tp) and the head size is unchanged
+        # q, k, v: (B, T, C) each. Under tensor parallelism c_attn is column-split and n_head is this
+        # rank's heads, so they are (B, T, C / tp) with the head size unchanged; under sequence
+        # parallelism x holds T / tp positions and c_attn gathers all T: shapes come from its output
         q, k, v = self.c_attn(x).chunk(3, dim=2)
         # (B, T, C) -> (B, H, T, C/H)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.unflatten(2, (self.n_head, -1)).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.c_proj(y.transpose(1, 2).flatten(2))
 
 
 class MLP(nn.Module):

@@ -14,6 +14,10 @@ style:
   (replicated) bias is added (:class:`ReduceFromTensorParallel`).
 - :class:`DivideAttrs`: integer attributes (a local head count, a split size)
   divided by ``T``, so attention works on this rank's heads.
+- sequence parallelism (:mod:`infinity.zero.sequence_parallel`): ``Colwise`` /
+  ``Rowwise`` with ``sequence_dim``, and ``ScatterOutput`` / ``GatherOutput``
+  / ``SequenceParallel`` on the modules between them. A pattern may map to a
+  tuple of styles.
 
 ``nn.Linear`` and ``transformers``' ``Conv1D`` (GPT-2; weight stored as
 ``(in, out)``) are supported. A split layer keeps its name and its class's
@@ -50,23 +54,30 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from infinity.zero.collectives import Collectives
+from infinity.zero.sequence_parallel import (GatherOutput, GatherSequence, ReduceScatterSequence, ScatterOutput,
+                                             SequenceParallel, apply_sequence_style, sum_grad_over_tp)
 
 __all__ = ["Colwise", "Rowwise", "DivideAttrs", "TPSpec", "TensorParallel", "apply_plan", "shard_of", "assemble",
-           "CopyToTensorParallel", "ReduceFromTensorParallel"]
+           "CopyToTensorParallel", "ReduceFromTensorParallel", "ScatterOutput", "GatherOutput", "SequenceParallel"]
 
 
 # ---------------------------------------------------------------- styles (the plan's values)
 
 @dataclass(frozen=True)
 class Colwise:
-    """Split the output features ``T`` ways; ``parts``: equal blocks (fused q|k|v = 3) each split separately."""
+    """Split the output features ``T`` ways; ``parts``: equal blocks (fused q|k|v = 3) each split separately.
+    ``sequence_dim``: the input is sequence-sharded along it and all-gathered (sequence parallelism)."""
 
     parts: int = 1
+    sequence_dim: int | None = None
 
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Split the input features ``T`` ways; the output is all-reduced over ``tp`` before the bias."""
+    """Split the input features ``T`` ways; the output is all-reduced over ``tp`` before the bias, or with
+    ``sequence_dim`` reduce-scattered along it (sequence parallelism; the bias's gradient is then summed)."""
+
+    sequence_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,8 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
 class _ColwiseForward:
     def forward(self, x):
+        if self.sequence_dim is not None:
+            return super().forward(GatherSequence.apply(x, self.tensor_parallel, self.sequence_dim))
         return super().forward(CopyToTensorParallel.apply(x, self.tensor_parallel))
 
 
@@ -171,11 +184,15 @@ class _RowwiseForward:
             y = F.linear(x, self.weight)
         else:                  # Conv1D: weight (in, out)
             y = torch.matmul(x, self.weight)
-        y = ReduceFromTensorParallel.apply(y, self.tensor_parallel)
+        if self.sequence_dim is not None:
+            y = ReduceScatterSequence.apply(y, self.tensor_parallel, self.sequence_dim)
+        else:
+            y = ReduceFromTensorParallel.apply(y, self.tensor_parallel)
         return y if self.bias is None else y + self.bias
 
 
 _SUBCLASSES: dict = {}
+_STYLES = (Colwise, Rowwise, DivideAttrs, ScatterOutput, GatherOutput, SequenceParallel)
 
 
 def _swap_class(module: nn.Module, mixin, prefix: str) -> None:
@@ -210,20 +227,26 @@ def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel) -> dict:
         raise TypeError(f"tensor parallel plan: expected a non-empty dict of module-name pattern -> style, got "
                         f"{type(plan).__name__}")
     modules = dict(model.named_modules())
-    matched: dict = {}
-    for pattern, style in plan.items():
-        if not isinstance(style, (Colwise, Rowwise, DivideAttrs)):
-            raise TypeError(f"tensor parallel plan: {pattern!r} -> {style!r}; styles are Colwise, Rowwise, "
-                            "DivideAttrs (infinity.zero.tensor_parallel)")
-        hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
-            raise ValueError(f"tensor parallel plan: {pattern!r} matches no module of {type(model).__name__}")
-        for n in hits:
-            if n in matched and not isinstance(style, DivideAttrs) and not isinstance(matched[n], DivideAttrs):
-                raise ValueError(f"tensor parallel plan: module {n!r} matched by two split styles")
-            matched.setdefault(n, style)
-            if isinstance(style, DivideAttrs):
-                _divide_attrs(modules[n], n, style, tp.size)
+    matched: dict = {}        # module name -> its Colwise / Rowwise
+    sequence: list = []       # (module name, sequence-parallel style), installed after the split
+    for pattern, styles in plan.items():
+        for style in (styles if isinstance(styles, (tuple, list)) else (styles,)):
+            if not isinstance(style, _STYLES):
+                raise TypeError(f"tensor parallel plan: {pattern!r} -> {style!r}; styles are "
+                                f"{', '.join(c.__name__ for c in _STYLES)} (infinity.zero.tensor_parallel, "
+                                "infinity.zero.sequence_parallel)")
+            hits = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise ValueError(f"tensor parallel plan: {pattern!r} matches no module of {type(model).__name__}")
+            for n in hits:
+                if isinstance(style, DivideAttrs):
+                    _divide_attrs(modules[n], n, style, tp.size)
+                elif isinstance(style, (Colwise, Rowwise)):
+                    if n in matched:
+                        raise ValueError(f"tensor parallel plan: module {n!r} matched by two split styles")
+                    matched[n] = style
+                else:
+                    sequence.append((n, style))
     names_of: dict = {}
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
@@ -235,8 +258,9 @@ def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel) -> dict:
                                  "plan slices real weights)")
             dist.broadcast(p.data, group_src=0, group=tp.coll.group)
         for n, style in matched.items():
-            if isinstance(style, (Colwise, Rowwise)):
-                _split_layer(modules[n], n, style, tp, names_of, replaced)
+            _split_layer(modules[n], n, style, tp, names_of, replaced)
+    for n, style in sequence:
+        apply_sequence_style(modules[n], n, style, tp)
     # a tp rank that split differently would hang (or silently mix) in the first activation all-reduce
     params = dict(model.named_parameters())
     mine = sorted((n, s.dim, s.parts, tuple(params[n].shape)) for n, s in tp.specs.items())
@@ -281,4 +305,7 @@ def _split_layer(module: nn.Module, name: str, style, tp: TensorParallel, names_
         module.nf = module.weight.shape[1]
     module.tensor_parallel = tp
     module.in_dim = in_dim
+    module.sequence_dim = style.sequence_dim
+    if not col and style.sequence_dim is not None and module.bias is not None:
+        sum_grad_over_tp(module.bias, tp)   # added to this rank's sequence slice only
     _swap_class(module, _ColwiseForward if col else _RowwiseForward, "Colwise" if col else "Rowwise")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from infinity.zero.sequence_parallel import GatherOutput, ScatterOutput, SequenceParallel
 from infinity.zero.tensor_parallel import Colwise, DivideAttrs, Rowwise
 
-__all__ = ["default_plan", "GPT_PLAN", "GPT2_PLAN", "LLAMA_PLAN"]
+__all__ = ["default_plan", "GPT_PLAN", "GPT_SEQUENCE_PLAN", "GPT2_PLAN", "LLAMA_PLAN"]
 
 # infinity.models.GPT: fused q|k|v in c_attn (3 blocks), local head count n_head
 GPT_PLAN = {
@@ -24,6 +25,20 @@ GPT_PLAN = {
     "transformer.h.*.attn.c_proj": Rowwise(),
     "transformer.h.*.mlp.c_fc": Colwise(),
     "transformer.h.*.mlp.c_proj": Rowwise(),
+}
+
+# the same with sequence parallelism: embeddings' outputs sliced along the sequence (B, T, C) / (T, C), the
+# norms and residual stream on 1/T of it, gathered again after ln_f for the replicated head
+GPT_SEQUENCE_PLAN = {
+    "transformer.wte": ScatterOutput(1),
+    "transformer.wpe": ScatterOutput(0),
+    "transformer.h.*.ln_[12]": SequenceParallel(),
+    "transformer.ln_f": (SequenceParallel(), GatherOutput(1)),
+    "transformer.h.*.attn": DivideAttrs("n_head"),
+    "transformer.h.*.attn.c_attn": Colwise(parts=3, sequence_dim=1),
+    "transformer.h.*.attn.c_proj": Rowwise(sequence_dim=1),
+    "transformer.h.*.mlp.c_fc": Colwise(sequence_dim=1),
+    "transformer.h.*.mlp.c_proj": Rowwise(sequence_dim=1),
 }
 
 # transformers GPT2LMHeadModel: Conv1D layers, q|k|v split by split_size (heads are inferred with -1)
@@ -47,10 +62,18 @@ LLAMA_PLAN = {
 }
 
 _BY_CLASS = {"GPT": GPT_PLAN, "GPT2LMHeadModel": GPT2_PLAN, "LlamaForCausalLM": LLAMA_PLAN}
+_SEQUENCE_BY_CLASS = {"GPT": GPT_SEQUENCE_PLAN}
 
 
-def default_plan(model: nn.Module) -> dict:
+def default_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
     """The plan for ``model``'s class; raises naming the known classes and how to pass a plan otherwise."""
+    if sequence_parallel:
+        plan = _SEQUENCE_BY_CLASS.get(type(model).__name__)
+        if plan is None:
+            raise ValueError(f"parallel.sequence: no default sequence-parallel plan for {type(model).__name__} "
+                             f"(known: {', '.join(_SEQUENCE_BY_CLASS)}); pass tp_plan=... with ScatterOutput / "
+                             "GatherOutput / SequenceParallel (infinity.zero.sequence_parallel), or set it false")
+        return dict(plan)
     plan = _BY_CLASS.get(type(model).__name__)
     if plan is None:
         raise ValueError(f"parallel.tensor > 1: no default tensor-parallel plan for {type(model).__name__} (known: "
