@@ -270,3 +270,22 @@ def test_infinity_train_tp2(capsys, tmp_path, monkeypatch):
         losses[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
         losses[name].append(summary["val_loss"])
     assert max(abs(a - b) for a, b in zip(losses["one"], losses["tp2"])) < 1e-5, losses
+
+
+@pytest.mark.parametrize("shape,dim,parts,size", [((12, 8), 0, 3, 2), ((8, 12), 1, 3, 4), ((16,), 0, 1, 4),
+                                                  ((6, 4), 1, 1, 2)])
+def test_shard_of_and_assemble_round_trip(shape, dim, parts, size):
+    """Each of ``parts`` blocks is split ``size`` ways; the slices reassemble the tensor exactly."""
+    import torch
+
+    from infinity.zero.tensor_parallel import TPSpec, assemble, shard_of
+    full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape).float()
+    spec = TPSpec(dim, parts)
+    pieces = [shard_of(full, spec, r, size) for r in range(size)]
+    assert all(p.shape[dim] == shape[dim] // size for p in pieces)
+    block = shape[dim] // parts
+    first = pieces[0].narrow(dim, 0, block // size)   # rank 0 starts with the head of block 0
+    assert torch.equal(first, full.narrow(dim, 0, block // size))
+    assert torch.equal(assemble(pieces, spec), full)
+    with pytest.raises(ValueError, match="not divisible"):
+        shard_of(full, TPSpec(dim, parts), 0, shape[dim] + 1)
