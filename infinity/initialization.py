@@ -12,7 +12,7 @@ import torch.nn as nn
 from infinity.config import Config
 from infinity.zero.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
-from infinity.zero.materialize import is_meta_model, materialize_whole
+from infinity.zero.materialize import is_meta_model, materialize_steps
 from infinity.zero.mesh import build_mesh
 from infinity.zero.optimizer import ZeroAdamW
 from infinity.zero.tensor_parallel import TensorParallel, apply_plan
@@ -59,9 +59,9 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     parameters over its ``dp`` group only. Every rank must build the same full
     model (same seed) before calling this; ``params`` may name the full
     parameters, they are replaced by their slices. A meta model is
-    materialized whole first (by ``init_fn`` or ``reset_parameters()``, same
-    values as unit by unit), then split: each rank briefly holds the full fp32
-    weights.
+    materialized one init step (unit) at a time by ``init_fn`` or
+    ``reset_parameters()``, same values as without TP, each split layer sliced
+    as soon as it is real.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"initialize: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -77,14 +77,15 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     mesh = build_mesh(cfg.parallel.tensor, device.type)
     tp, coll = None, None
     if mesh.tp_size > 1:
-        if on_meta:   # the plan slices whole weights: materialize (and initialize) the model first
-            with torch.no_grad():
-                materialize_whole(model, [m for _, m in choose_unit_modules(model, cfg.zero.unit_classes)],
-                                  init_fn, device)
+        steps = None
+        if on_meta:   # materialized one init step at a time, each split layer sliced as soon as it is real
+            units = [m for _, m in choose_unit_modules(model, cfg.zero.unit_classes)]
+            steps = materialize_steps(model, units, init_fn, device)
             init_fn = None
         tp = TensorParallel(mesh.tp_group, mesh.tp_size, mesh.tp_rank, mesh.device_mesh)
         plan = tp_plan if tp_plan is not None else default_plan(model, cfg.parallel.sequence)
-        replaced = apply_plan(model, plan, tp)
+        with torch.no_grad():
+            replaced = apply_plan(model, plan, tp, materialized=steps)
         for g in groups:
             g["params"] = [replaced.get(id(p), p) for p in g["params"]]
         coll = Collectives(mesh.dp_group) if mesh.dp_size > 1 else LocalCollectives()

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta", "place_units",
-           "materialize_whole"]
+           "materialize_steps"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -145,13 +145,13 @@ def place_units(model: nn.Module, units: list, init_fn: Callable | None, place: 
                     place(unit, flats.pop(unit.index))
 
 
-def materialize_whole(model: nn.Module, unit_modules: list, init_fn: Callable | None, device) -> None:
-    """Give every parameter of a meta model its own real fp32 storage and run the initializers, in the same
-    order (so the same values under the same seed) as :func:`place_units`, but keeping the whole model.
+def materialize_steps(model: nn.Module, unit_modules: list, init_fn: Callable | None, device):
+    """Give a meta model's parameters real fp32 storage and run the initializers one step at a time, in the
+    order (so with the values) of :func:`place_units`; yields each step's module once it is initialized.
 
-    Tensor parallelism needs this: its plan slices whole weights, so each rank holds the full model for a
-    moment (peak: its fp32 parameters) before the split; unit-at-a-time materialization of split
-    parameters is not implemented.
+    Tensor parallelism consumes it: each split layer is sliced as soon as its step has run
+    (:func:`~infinity.zero.tensor_parallel.apply_plan`), so one unit at a time is whole, as here
+    without TP; what stays is this rank's slices plus the replicated parameters.
     """
     check_no_meta(model)
     by_id = {id(p): p for p in model.parameters()}
@@ -161,3 +161,4 @@ def materialize_whole(model: nn.Module, unit_modules: list, init_fn: Callable | 
             give_storage(p, torch.empty(p.shape, dtype=torch.float32 if p.is_floating_point() else p.dtype,
                                         device=device))
         run_init(step, init_fn)
+        yield step.module

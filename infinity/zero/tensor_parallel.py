@@ -215,13 +215,17 @@ def _layer_dims(module: nn.Module, name: str) -> tuple:
 
 # ---------------------------------------------------------------- applying a plan
 
-def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel) -> dict:
+def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel, materialized=None) -> dict:
     """Split ``model`` in place as ``plan`` says; records every split parameter's spec in ``tp.specs``.
     Returns ``{id(full parameter): its split replacement}`` (param groups naming the full ones are remapped).
 
-    Every rank must hold the same full model first: each parameter a plan
-    splits is broadcast from ``tp`` rank 0 before it is sliced, and every
-    replicated one too, so all ``tp`` ranks start equal (as DDP starts from rank 0).
+    Every rank must hold the same full model: each parameter a plan splits is
+    broadcast from ``tp`` rank 0 before it is sliced, and every replicated one
+    too, so all ``tp`` ranks start equal (as DDP starts from rank 0).
+    ``materialized``: for a meta model, an iterator yielding each module as soon
+    as its parameters are real and initialized
+    (:func:`infinity.zero.materialize.materialize_steps`); split layers inside it
+    are sliced right away, so only one unit is ever whole.
     """
     if not isinstance(plan, dict) or not plan:
         raise TypeError(f"tensor parallel plan: expected a non-empty dict of module-name pattern -> style, got "
@@ -251,14 +255,31 @@ def apply_plan(model: nn.Module, plan: dict, tp: TensorParallel) -> dict:
     for pname, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(pname)
     replaced: dict = {}
+    name_of = {id(modules[n]): n for n in matched}
+    done: set = set()
+
+    def split_ready(root: nn.Module) -> None:
+        """Split every planned layer under ``root`` whose parameters are real (the same order on every rank)."""
+        for m in root.modules():
+            n = name_of.get(id(m))
+            if n is None or n in done or any(p.is_meta for p in m.parameters(recurse=False)):
+                continue
+            for p in m.parameters(recurse=False):   # every rank slices tp rank 0's values
+                dist.broadcast(p.data, group_src=0, group=tp.coll.group)
+            _split_layer(m, n, matched[n], tp, names_of, replaced)
+            done.add(n)
+
     with torch.no_grad():
-        for p in model.parameters():   # every rank starts from tp rank 0's values
+        for module in (materialized if materialized is not None else ()):
+            split_ready(module)
+        split_ready(model)
+        sliced = {id(p) for p in replaced.values()}
+        for p in model.parameters():   # the replicated ones start from tp rank 0's values too
             if p.is_meta:
-                raise ValueError("tensor parallel: the model is on the meta device; build it materialized (the "
-                                 "plan slices real weights)")
-            dist.broadcast(p.data, group_src=0, group=tp.coll.group)
-        for n, style in matched.items():
-            _split_layer(modules[n], n, style, tp, names_of, replaced)
+                raise ValueError("tensor parallel: a parameter is still on the meta device; pass a materialized "
+                                 "model (or materialize it through infinity.initialize)")
+            if id(p) not in sliced:
+                dist.broadcast(p.data, group_src=0, group=tp.coll.group)
     for n, style in sequence:
         apply_sequence_style(modules[n], n, style, tp)
     # a tp rank that split differently would hang (or silently mix) in the first activation all-reduce
