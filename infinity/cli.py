@@ -146,24 +146,14 @@ def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
 
 
 def _tp_rows(args) -> list:
-    """ZeRO-0..3 x TP rows (and plain ZeRO-3 on every rank for comparison); see infinity/tp_estimate.py."""
-    from infinity.models import GPT, gpt_config
-    from infinity.tp_estimate import TPSplit, split_params, tp_estimate
-    from infinity.zero.tp_plans import GPT_PLAN
+    """ZeRO x TP rows for the built-in GPT (see infinity/tp_estimate.py)."""
+    from infinity.tp_estimate import gpt_tp_rows
     if args.model is None:
         raise UsageError("--tp: needs --model (the split and the tp-axis bytes depend on the model's layers)")
-    if args.tp < 1 or args.devices % args.tp:
-        raise UsageError(f"--tp: {args.tp} must be >= 1 and divide --devices {args.devices}")
-    cfg = gpt_config(args.model)
-    import torch
-    with torch.device("meta"):
-        model = GPT(cfg)
-    split = TPSplit(total=sum(p.numel() for p in model.parameters()), split=split_params(model, GPT_PLAN),
-                    n_layer=cfg.n_layer, n_embd=cfg.n_embd)
-    tokens = args.tokens if args.tokens is not None else cfg.block_size
-    rows = [tp_estimate(split, args.devices, 1, 3, tokens)]
-    rows += [tp_estimate(split, args.devices, args.tp, s, tokens) for s in (0, 1, 2, 3)]
-    return [dict(r.to_dict(), tokens_per_rank=tokens, split_params=split.split, params=split.total) for r in rows]
+    try:
+        return gpt_tp_rows(args.model, args.devices, args.tp, args.tokens)
+    except ValueError as e:
+        raise UsageError(f"--tp: {e}") from None
 
 
 def _print_tp(rows: list, args) -> None:
@@ -175,11 +165,7 @@ def _print_tp(rows: list, args) -> None:
     for r in rows:
         table.append((r["label"], _size(r["state_bytes_per_rank"]), f"{r['dp_volume_elements']:,} el",
                       f"{r['tp_volume_elements']:,} el"))
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for i, row in enumerate(table):
-        print("  ".join(cell.ljust(w) if j == 0 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    _print_table(table)
     print("tp axis: 8 x layers x width elements per token (all-reduces of activations; keep it on NVLink)")
 
 

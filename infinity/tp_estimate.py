@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 
 import torch.nn as nn
 
-__all__ = ["TPSplit", "TPEstimate", "split_params", "tp_estimate", "tp_step_volume"]
+__all__ = ["TPSplit", "TPEstimate", "split_params", "tp_estimate", "tp_step_volume", "gpt_tp_rows"]
 
 
 @dataclass(frozen=True)
@@ -127,3 +127,23 @@ def tp_estimate(split: TPSplit, world_size: int, tp: int, stage: int, tokens_per
                       state_bytes_per_rank=_zero_state(local, dp if stage else 1, stage),
                       dp_volume_elements=dp_step_volume(local, root_numel, stage),
                       tp_volume_elements=tp_step_volume(split, tokens_per_rank) if tp > 1 else 0)
+
+
+def gpt_tp_rows(model_name: str, world_size: int, tp: int, tokens_per_rank: int | None = None) -> list:
+    """``infinity estimate --tp``'s rows for a built-in GPT (counted on meta): plain ZeRO-3 on every rank,
+    then stages 0-3 at ``tp`` ways; ``tokens_per_rank`` defaults to the model's block size."""
+    import torch
+
+    from infinity.models import GPT, gpt_config
+    from infinity.zero.tp_plans import GPT_PLAN
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"{tp} ways must be >= 1 and divide the {world_size} devices")
+    cfg = gpt_config(model_name)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    split = TPSplit(total=sum(p.numel() for p in model.parameters()), split=split_params(model, GPT_PLAN),
+                    n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+    tokens = tokens_per_rank if tokens_per_rank is not None else cfg.block_size
+    rows = [tp_estimate(split, world_size, 1, 3, tokens)]
+    rows += [tp_estimate(split, world_size, tp, s, tokens) for s in (0, 1, 2, 3)]
+    return [dict(r.to_dict(), tokens_per_rank=tokens, split_params=split.split, params=split.total) for r in rows]
