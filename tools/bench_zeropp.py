@@ -54,12 +54,23 @@ def _config(pp: dict, args) -> dict:
             "zeropp": dict({"ranks_per_node": PER_NODE}, **pp)}
 
 
+def _gpt_config(text: str):
+    """``"tiny"`` or ``"tiny:n_layer=4,n_embd=256"``: a built-in GPT size with integer fields changed."""
+    import dataclasses
+
+    from infinity.models import gpt_config
+
+    name, _, fields = text.partition(":")
+    changes = dict(kv.split("=") for kv in fields.split(",")) if fields else {}
+    return dataclasses.replace(gpt_config(name), **{k: int(v) for k, v in changes.items()})
+
+
 def _run_one(name: str, args, rank: int) -> dict:
     import infinity
-    from infinity.models import GPT, gpt_config
+    from infinity.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(gpt_config(args.model))
+    model = GPT(_gpt_config(args.model))
     model, opt = infinity.initialize(model, _config(CONFIGS[name], args))
     engine = infinity.engine_of(model)
     g = torch.Generator().manual_seed(rank)
