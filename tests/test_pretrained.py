@@ -95,12 +95,16 @@ def test_bad_directories_are_named(tmp_path):
 
 
 def test_loading_peak_rss_is_a_fraction_of_the_weights(tmp_path):
-    """150M parameters (609 MB of fp32 in 12 files), everything on NVMe: loading grows RSS by less than a third
-    of the weights (one unit and its shards at a time, each file unmapped after use)."""
+    """150M parameters (609 MB of fp32 in 12 files), everything on NVMe: loading grows RSS by no more than the
+    host budget (the store's cache of registered shards) plus two units' fp32 weights (the unit being filled
+    and its shards on the way), one unit at a time, each file unmapped after use; that bound is well under the
+    weights, so the state dict is never in memory."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, str(REPO / "tests" / "pretrained_rss_script.py"), str(tmp_path / "m"),
                           str(tmp_path / "swap"), "12", "1024"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["files"] >= 5 and r["state_bytes"] > 600e6
-    assert r["growth"] < r["state_bytes"] / 3, r
+    bound = r["host_bytes"] + 2 * r["unit_bytes"]
+    assert r["state_bytes"] > 1.75 * bound, r   # the model is big enough for the bound to mean something
+    assert r["growth"] < bound, r
