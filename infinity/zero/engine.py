@@ -50,9 +50,9 @@ import weakref
 import torch
 import torch.nn as nn
 
-from infinity.config import Config, ConfigError, format_size
+from infinity.config import Config
 from infinity.schedule.prefetch import TracePrefetcher
-from infinity.store import TensorStore, Tier
+from infinity.store import TensorStore
 from infinity.store.budget import resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
@@ -67,7 +67,8 @@ from infinity.zero.placement import Placement
 from infinity.zero.stats import EngineStats
 from infinity.zero.tp_norm import TensorParallelNorm
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
-from infinity.zero.units import TensorClass, UnitShard, check_structure, group_index, plan_units, shard_align_numel
+from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
+                                 shard_align_numel)
 from infinity.zero.update import ShardUpdate
 from infinity.zero.zeropp import ZeroPlusPlus
 
@@ -145,8 +146,8 @@ class ZeroEngine:
             self.grads.overflow_coll = self.world_coll
 
         if self.placement.any_offload:   # refused before anything is written
-            _check_budgets(self.placement, self.units, self.stage, self.param_dtype, self.reduce_dtype,
-                           config.tiers, self.device)
+            self.placement.check_budgets(self.units, self.stage, _itemsize(self.param_dtype),
+                                         _itemsize(self.reduce_dtype), resolve_budgets(config.tiers, self.device))
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
@@ -411,25 +412,7 @@ class ZeroEngine:
         """Bytes this rank holds in memory now, by class: params, grads, optimizer (each storage counted
         once; stored shards excluded), plus, with a store, its bytes per tier under ``store``, and with
         ZeRO++'s hpZ the secondary parameter shards under ``secondary_params``."""
-        seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
-        kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
-
-        def count(kind, t):
-            if t is None:
-                return
-            st = t.untyped_storage()
-            if st.nbytes() == 0 or st.data_ptr() in seen:
-                return
-            seen.add(st.data_ptr())
-            out[kind] += st.nbytes()
-
-        for u in self.units:
-            count("params", u.full_param)
-            count("grads", u.full_grad)
-            for cls in TensorClass:
-                if u.shard is not None and u.shard.has(cls) and u.shard.key(cls) is None:
-                    count(kinds.get(cls, "optimizer"), u.shard.get(cls))
-        count("grads", self.grads.arena)
+        out = memory_bytes(self.units, self.grads.arena)
         out.update(self.zeropp.resident_bytes())
         if self.store is not None:
             out["store"] = self.store.stats()["tier_bytes"]
@@ -499,18 +482,6 @@ def _release(pipeline, adam, store) -> None:
         finally:
             if store is not None:
                 store.close()
-
-
-def _check_budgets(placement, units, stage, param_dtype, reduce_dtype, tiers, device) -> None:
-    """Raise ConfigError if ``tiers.*_bytes`` are below what a step needs (see Placement.min_budgets)."""
-    budgets = resolve_budgets(tiers, device)
-    need = placement.min_budgets(units, stage, _itemsize(param_dtype), _itemsize(reduce_dtype))
-    for tier, key in ((Tier.HOST, "tiers.host_bytes"), (Tier.DEVICE, "tiers.device_bytes")):
-        least, why = need[tier]
-        if budgets[tier] < least:
-            raise ConfigError(f"{key} = {budgets[tier]} bytes ({format_size(budgets[tier])}) is below the "
-                              f"{least} bytes ({format_size(least)}) this model and placement need: {why}. "
-                              f"Set {key} to at least {format_size(least)}, or place less on that tier")
 
 
 def _add_note(error: BaseException, note: str) -> None:

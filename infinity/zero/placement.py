@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infinity.config import Config
+from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
 from infinity.zero.units import TensorClass
 
@@ -112,6 +112,18 @@ class Placement:
             device = largest.shard_numel * param_itemsize
             device_why = f"the all-gather of unit {largest.name!r} reads its {device}-byte parameter shard there"
         return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
+
+    def check_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
+                      budgets: dict) -> None:
+        """Raise ConfigError if a tier's budget (``budgets[tier]``, bytes) is below :meth:`min_budgets`,
+        naming the key, the minimum and why."""
+        need = self.min_budgets(units, stage, param_itemsize, reduce_itemsize)
+        for tier, key in ((Tier.HOST, "tiers.host_bytes"), (Tier.DEVICE, "tiers.device_bytes")):
+            least, why = need[tier]
+            if budgets[tier] < least:
+                raise ConfigError(f"{key} = {budgets[tier]} bytes ({format_size(budgets[tier])}) is below the "
+                                  f"{least} bytes ({format_size(least)}) this model and placement need: {why}. "
+                                  f"Set {key} to at least {format_size(least)}, or place less on that tier")
 
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}

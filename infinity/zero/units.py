@@ -37,7 +37,7 @@ from infinity.transitions import Transitions
 
 __all__ = [
     "DIRECT_IO_ALIGN_BYTES", "UnitState", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
-    "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure",
+    "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure", "memory_bytes",
 ]
 
 DIRECT_IO_ALIGN_BYTES = 4096
@@ -377,3 +377,28 @@ def _first_difference(a, b) -> str:
         if sa != sb:
             return f"parameter {sb[0]!r} shape {sb[1]} group {sb[2]} vs {sa[0]!r} shape {sa[1]} group {sa[2]}"
     return f"{len(b[2])} parameters vs {len(a[2])}"
+
+
+def memory_bytes(units: list, arena: torch.Tensor | None) -> dict:
+    """Bytes the units hold in memory now, by class: params, grads, optimizer. Each storage is counted
+    once (views share one); freed buffers and classes kept in the store count nothing."""
+    seen, out = set(), {"params": 0, "grads": 0, "optimizer": 0}
+    kinds = {TensorClass.PARAM: "params", TensorClass.GRAD: "grads"}
+
+    def count(kind, t):
+        if t is None:
+            return
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:
+            return
+        seen.add(st.data_ptr())
+        out[kind] += st.nbytes()
+
+    for u in units:
+        count("params", u.full_param)
+        count("grads", u.full_grad)
+        for cls in TensorClass:
+            if u.shard is not None and u.shard.has(cls) and u.shard.key(cls) is None:
+                count(kinds.get(cls, "optimizer"), u.shard.get(cls))
+    count("grads", arena)
+    return out

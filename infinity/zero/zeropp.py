@@ -187,7 +187,7 @@ class _HierarchicalReduce:
         if self.pp is None:
             return
         pp, out = self.pp, self.out
-        m, k, shard = pp.nodes, pp.ranks_per_node, out.numel()
+        m, shard = pp.nodes, out.numel()
         if self.pending is not None:
             self.pending.wait()
             node_sum = pp.grads_q.dequantize(self.recv, m * shard).sum(dim=0)   # fp32 [m * shard]
