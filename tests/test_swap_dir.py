@@ -37,3 +37,29 @@ def test_swap_dir_that_cannot_be_made_names_path_and_cause(tmp_path):
         infinity.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), _config(blocker / "swap"))
     with pytest.raises(StoreError, match=rf"tiers.nvme_path {blocker}: exists but is not a directory"):
         infinity.initialize(torch.nn.Sequential(torch.nn.Linear(8, 8)), _config(blocker))
+
+
+def test_ranks_racing_to_make_one_swap_dir_all_succeed(tmp_path):
+    """Ranks sharing tiers.nvme_path create it at once: none may see the others' fresh directory as an error."""
+    import threading
+
+    from infinity.store.swap_dir import make_swap_dir
+
+    for trial in range(50):
+        path = tmp_path / f"race{trial}" / "swap"
+        barrier, errors = threading.Barrier(4), []
+
+        def rank():
+            barrier.wait()
+            try:
+                make_swap_dir(path)
+            except Exception as e:   # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert path.is_dir()

@@ -19,15 +19,14 @@ def make_swap_dir(path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if os.path.isdir(path):
         return
-    if os.path.lexists(path):
-        raise StoreError(f"tiers.nvme_path {path}: exists but is not a directory; point tiers.nvme_path at a "
-                         "directory on a fast local disk")
+    # no look-before-leap: ranks sharing a path race to make it, and only mkdir's own answer is current
     try:
         os.makedirs(path, mode=0o700)
         os.chmod(path, 0o700)   # makedirs' mode is filtered by the umask; the swap files are private
     except FileExistsError:
         if not os.path.isdir(path):   # another rank made it first: fine only if it is a directory
-            raise StoreError(f"tiers.nvme_path {path}: exists but is not a directory") from None
+            raise StoreError(f"tiers.nvme_path {path}: exists but is not a directory; point tiers.nvme_path at a "
+                             "directory on a fast local disk") from None
     except OSError as e:
         where = f" ({e.filename})" if e.filename and os.fspath(e.filename) != path else ""
         raise StoreError(f"tiers.nvme_path {path}: cannot create the swap directory: {e.strerror or e}{where}; "
