@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-__all__ = ["ScatterOutput", "GatherOutput", "SequenceParallel", "GatherSequence", "ReduceScatterSequence",
+__all__ = ["ScatterOutput", "GatherOutput", "SequenceParallel", "gather_sequence", "reduce_scatter_sequence",
            "apply_sequence_style", "sum_grad_over_tp"]
 
 
@@ -82,58 +82,40 @@ def _slice(x: torch.Tensor, tp, dim: int) -> torch.Tensor:
     return x.chunk(tp.size, dim)[tp.rank].contiguous()
 
 
-class GatherSequence(torch.autograd.Function):
+class _Conjugate(torch.autograd.Function):
+    """``forward(x)`` in forward and ``backward(grad)`` in backward: each collective of sequence
+    parallelism is paired with its conjugate (all-gather <-> reduce-scatter, slice <-> all-gather)."""
+
+    @staticmethod
+    def forward(ctx, x, tp, dim, forward, backward):
+        ctx.tp, ctx.dim, ctx.conjugate = tp, dim, backward
+        return forward(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.conjugate(grad, ctx.tp, ctx.dim), None, None, None, None
+
+
+def gather_sequence(x: torch.Tensor, tp, dim: int) -> torch.Tensor:
     """Into a column-split layer: all-gather along the sequence; backward reduce-scatters (each rank's
     slice of the output used the whole input)."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return _all_gather(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.tp, ctx.dim), None, None
+    return _Conjugate.apply(x, tp, dim, _all_gather, _reduce_scatter)
 
 
-class ReduceScatterSequence(torch.autograd.Function):
+def reduce_scatter_sequence(x: torch.Tensor, tp, dim: int) -> torch.Tensor:
     """Out of a row-split layer: sum the partial products and keep this rank's sequence slice; backward
     all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return _reduce_scatter(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.tp, ctx.dim), None, None
+    return _Conjugate.apply(x, tp, dim, _reduce_scatter, _all_gather)
 
 
-class _ScatterReplicated(torch.autograd.Function):
+def _scatter_replicated(x: torch.Tensor, tp, dim: int) -> torch.Tensor:
     """Replicated -> this rank's slice; backward all-gathers the slices' gradients."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return _slice(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.tp, ctx.dim), None, None
+    return _Conjugate.apply(x, tp, dim, _slice, _all_gather)
 
 
-class _GatherReplicated(torch.autograd.Function):
+def _gather_replicated(x: torch.Tensor, tp, dim: int) -> torch.Tensor:
     """Slices -> the whole, consumed alike on every rank; backward keeps this rank's slice."""
-
-    @staticmethod
-    def forward(ctx, x, tp, dim):
-        ctx.tp, ctx.dim = tp, dim
-        return _all_gather(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice(grad, ctx.tp, ctx.dim), None, None
+    return _Conjugate.apply(x, tp, dim, _all_gather, _slice)
 
 
 def sum_grad_over_tp(param: nn.Parameter, tp) -> None:
@@ -154,8 +136,8 @@ def apply_sequence_style(module: nn.Module, name: str, style, tp) -> None:
         for p in params:
             sum_grad_over_tp(p, tp)
         return
-    fn = _ScatterReplicated if isinstance(style, ScatterOutput) else _GatherReplicated
+    fn = _scatter_replicated if isinstance(style, ScatterOutput) else _gather_replicated
 
     def hook(mod, args, out):
-        return fn.apply(out, tp, style.dim)
+        return fn(out, tp, style.dim)
     module.register_forward_hook(hook)

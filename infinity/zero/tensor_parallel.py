@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from infinity.zero.collectives import Collectives
-from infinity.zero.sequence_parallel import (GatherOutput, GatherSequence, ReduceScatterSequence, ScatterOutput,
+from infinity.zero.sequence_parallel import (GatherOutput, ScatterOutput, gather_sequence, reduce_scatter_sequence,
                                              SequenceParallel, apply_sequence_style, sum_grad_over_tp)
 
 __all__ = ["Colwise", "Rowwise", "DivideAttrs", "TPSpec", "TensorParallel", "apply_plan", "shard_of", "assemble",
@@ -174,7 +174,7 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 class _ColwiseForward:
     def forward(self, x):
         if self.sequence_dim is not None:
-            return super().forward(GatherSequence.apply(x, self.tensor_parallel, self.sequence_dim))
+            return super().forward(gather_sequence(x, self.tensor_parallel, self.sequence_dim))
         return super().forward(CopyToTensorParallel.apply(x, self.tensor_parallel))
 
 
@@ -185,7 +185,7 @@ class _RowwiseForward:
         else:                  # Conv1D: weight (in, out)
             y = torch.matmul(x, self.weight)
         if self.sequence_dim is not None:
-            y = ReduceScatterSequence.apply(y, self.tensor_parallel, self.sequence_dim)
+            y = reduce_scatter_sequence(y, self.tensor_parallel, self.sequence_dim)
         else:
             y = ReduceFromTensorParallel.apply(y, self.tensor_parallel)
         return y if self.bias is None else y + self.bias

@@ -67,16 +67,14 @@ _SEQUENCE_BY_CLASS = {"GPT": GPT_SEQUENCE_PLAN}
 
 def default_plan(model: nn.Module, sequence_parallel: bool = False) -> dict:
     """The plan for ``model``'s class; raises naming the known classes and how to pass a plan otherwise."""
-    if sequence_parallel:
-        plan = _SEQUENCE_BY_CLASS.get(type(model).__name__)
-        if plan is None:
-            raise ValueError(f"parallel.sequence: no default sequence-parallel plan for {type(model).__name__} "
-                             f"(known: {', '.join(_SEQUENCE_BY_CLASS)}); pass tp_plan=... with ScatterOutput / "
-                             "GatherOutput / SequenceParallel (infinity.zero.sequence_parallel), or set it false")
+    plans = _SEQUENCE_BY_CLASS if sequence_parallel else _BY_CLASS
+    plan = plans.get(type(model).__name__)
+    if plan is not None:
         return dict(plan)
-    plan = _BY_CLASS.get(type(model).__name__)
-    if plan is None:
-        raise ValueError(f"parallel.tensor > 1: no default tensor-parallel plan for {type(model).__name__} (known: "
-                         f"{', '.join(_BY_CLASS)}); pass infinity.initialize(..., tp_plan={{pattern: Colwise() | "
-                         "Rowwise() | DivideAttrs(...)}}) (see infinity.zero.tensor_parallel)")
-    return dict(plan)
+    if sequence_parallel:
+        raise ValueError(f"parallel.sequence: no default sequence-parallel plan for {type(model).__name__} "
+                         f"(known: {', '.join(plans)}); pass tp_plan=... with ScatterOutput / "
+                         "GatherOutput / SequenceParallel (infinity.zero.sequence_parallel), or set it false")
+    raise ValueError(f"parallel.tensor > 1: no default tensor-parallel plan for {type(model).__name__} (known: "
+                     f"{', '.join(plans)}); pass infinity.initialize(..., tp_plan={{pattern: Colwise() | "
+                     "Rowwise() | DivideAttrs(...)}}) (see infinity.zero.tensor_parallel)")
