@@ -159,13 +159,10 @@ class GradReducer:
 
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
-        if self.fp16 and first:
-            self._note_non_finite(out)
-        write = self.with_room(lambda: unit.shard.fold_grad(out, first))
+        inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
+        write = self.with_room(lambda: unit.shard.fold_grad(out, first, inspect))
         if write is not None:
             self.writes.append(write)
-        if self.fp16 and not first:
-            self._note_non_finite(unit.shard.read(TensorClass.GRAD))   # the sum itself may overflow
         unit.full_grad = None   # the full gradient is dropped once reduced
         self.on_folded(unit)
 

@@ -172,16 +172,20 @@ class StoreUnitShard(UnitShard):
         if key is not None:
             self.store.bring(key, Tier.DEVICE)
 
-    def fold_grad(self, reduced: torch.Tensor, first: bool):
+    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
         key = self._keys.get(TensorClass.GRAD)
         if key is None:
-            return super().fold_grad(reduced, first)
+            return super().fold_grad(reduced, first, inspect)
         if first:
             # it *is* the shard, so the old bytes are never read (zero_grad is lazy, saving a read
             # and a write of every stored shard per step)
+            if inspect is not None:
+                inspect(reduced)
             return self.replace(TensorClass.GRAD, reduced)
         with self.update(TensorClass.GRAD) as g:   # pinned + marked dirty, written home in the background
             g.add_(reduced.to(g.device))
+            if inspect is not None:
+                inspect(g)   # the sum itself may overflow; looked at while it is here
         return None
 
     def job_field(self, cls: TensorClass):

@@ -228,14 +228,18 @@ class UnitShard:
     def prefetch_param(self) -> None:
         """Start bringing the parameter shard toward the device (stage-3 prefetch); nothing in memory."""
 
-    def fold_grad(self, reduced: torch.Tensor, first: bool):
+    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
         """Fold a reduce-scattered gradient into the shard: a copy when ``first`` (the shard predates
-        zero_grad), else a sum. Returns the future of a write still in flight, or None."""
+        zero_grad), else a sum. ``inspect(result)`` sees the folded gradient while it is in memory
+        (fp16's overflow check), so nothing is read back for it. Returns the future of a write still
+        in flight, or None."""
         grad = self.get(TensorClass.GRAD)
         if first:
             grad.copy_(reduced)
         else:
             grad.add_(reduced)
+        if inspect is not None:
+            inspect(grad)
         return None
 
     def job_field(self, cls: TensorClass):
