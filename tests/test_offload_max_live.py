@@ -136,7 +136,7 @@ def cap_case(spec: dict) -> dict:
         engine.close()
     return {"losses": losses, "norms": [], "params": params, "stats": stats, "sampled_peaks": sampled_peaks,
             # where the gathered shards come from: store keys (offloaded params) or memory
-            "param_keys": [u.shard.key(TensorClass.PARAM) for u in engine.units]}
+            "param_keys": [u.shard.keys(TensorClass.PARAM) or None for u in engine.units]}
 
 
 def many(specs: list) -> list:

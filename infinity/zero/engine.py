@@ -66,7 +66,7 @@ from infinity.zero.loss_scale import LossScaler
 from infinity.zero.placement import Placement
 from infinity.zero.stats import EngineStats
 from infinity.zero.tp_norm import TensorParallelNorm
-from infinity.zero.store_shard import LentCopies, StoreUnitShard
+from infinity.zero.store_shard import store_shards
 from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
                                  shard_align_numel)
 from infinity.zero.update import ShardUpdate
@@ -152,7 +152,8 @@ class ZeroEngine:
         try:
             if self.placement.any_offload:
                 self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
-                self._lent = LentCopies(self.store)
+                self._new_shard = store_shards(self.store, self.placement, self.stage, _itemsize(self.param_dtype),
+                                               _itemsize(self.reduce_dtype))
             self.update = ShardUpdate(self, config.optimizer)
             self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
                                        self.reshard_after_forward, self.rank, self.zeropp)
@@ -187,7 +188,7 @@ class ZeroEngine:
         for slot, p in zip(unit.slots, unit.params):
             p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
-        shard = StoreUnitShard(self.store, unit.index, self.placement, self._lent) if self.store else UnitShard()
+        shard = self._new_shard(unit) if self.store else UnitShard()
         param_shard = full[lo:hi].clone() if self.stage == 3 else full[lo:hi]
         shard.put(TensorClass.PARAM, param_shard)
         if self.placement.master_is_param(fp32):
@@ -351,7 +352,7 @@ class ZeroEngine:
 
     def _end_step(self) -> None:
         for unit in self.units:
-            unit.updated = False
+            unit.clear_update()
         self.grads.multiplier = 1.0
         self._go(StepPhase.IDLE)
         # every rank keeps or re-records the trace together: a rank prefetching along a dropped
@@ -377,7 +378,7 @@ class ZeroEngine:
             raise RuntimeError(f"zero_grad() on rank {self.rank} during backward")
         if self.phase is StepPhase.STEPPING:
             raise RuntimeError(f"zero_grad() on rank {self.rank} while optimizer.step() runs")
-        partial = sum(u.updated for u in self.units) or self.update.partial_overlapped_update
+        partial = sum(u.chunks_updated for u in self.units) or self.update.partial_overlapped_update
         if partial:
             raise RuntimeError(
                 f"zero_grad() on rank {self.rank}: the last optimizer step failed part-way, with some units "
@@ -393,7 +394,7 @@ class ZeroEngine:
             raise RuntimeError(f"load_checkpoint on rank {self.rank} during backward")
         self.update.abort_step()
         for unit in self.units:
-            unit.updated = False
+            unit.clear_update()
         if self.stage == 3:
             self.gathers.release_all()
         self.grads.zero()

@@ -55,14 +55,14 @@ _MOVES = Transitions("overlapped step", {
 class OverlappedStep:
     """The engine side of an overlapped step: which units are final, when the pipeline starts.
 
-    ``build_job(unit)`` makes one unit's :class:`~infinity.optim.offload_pipeline.ShardJob`;
+    ``build_jobs(unit)`` makes one unit's :class:`~infinity.optim.offload_pipeline.ShardJob` s (one per chunk);
     ``begin_step()`` fixes the step's hyper-parameters, starts the engine's pipeline and returns
     it (an :class:`~infinity.optim.offload_pipeline.AdamPipeline`).
     """
 
-    def __init__(self, rank: int, build_job: Callable, begin_step: Callable):
+    def __init__(self, rank: int, build_jobs: Callable, begin_step: Callable):
         self.rank = rank
-        self.build_job = build_job
+        self.build_jobs = build_jobs
         self.begin_step = begin_step
         self.pipeline = None               # the optimizer's, once a step has begun
         self.phase = OverlapPhase.IDLE
@@ -113,7 +113,8 @@ class OverlappedStep:
             self.pipeline = self.begin_step()
             self._go(OverlapPhase.UPDATING)
         self._submitted.add(unit.index)
-        self.pipeline.submit(self.build_job(unit))
+        for job in self.build_jobs(unit):
+            self.pipeline.submit(job)
 
     def wait_for_room(self, attempt: Callable):
         """``attempt()`` (a store operation on the caller's thread), waiting out host room the running

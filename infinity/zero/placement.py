@@ -13,19 +13,32 @@ the optimizer pipeline and the prefetcher hide as far as the disk allows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
 from infinity.zero.units import TensorClass
 
-__all__ = ["Placement", "store_key"]
+__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL"]
+
+# a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
+CHUNK_ALIGN_NUMEL = 4096
 
 _OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
 
 
-def store_key(unit_index: int, cls: TensorClass) -> str:
-    return f"u{unit_index}.{cls.value}"
+def store_key(unit_index: int, cls: TensorClass, chunk: int | None = None) -> str:
+    """``u{unit}.{class}``; a shard split into chunks has one key per chunk, ``u{unit}.{class}.{chunk}``."""
+    return f"u{unit_index}.{cls.value}" if chunk is None else f"u{unit_index}.{cls.value}.{chunk}"
+
+
+def chunk_bounds(numel: int, chunk_numel: int) -> list:
+    """``[(lo, hi), ...]`` cutting ``numel`` elements into near-equal chunks of at most ``chunk_numel``
+    (itself a multiple of CHUNK_ALIGN_NUMEL), every cut on a CHUNK_ALIGN_NUMEL boundary."""
+    count = max(1, math.ceil(numel / chunk_numel))
+    size = min(chunk_numel, math.ceil(numel / count / CHUNK_ALIGN_NUMEL) * CHUNK_ALIGN_NUMEL)
+    return [(lo, min(numel, lo + size)) for lo in range(0, numel, size)] or [(0, 0)]
 
 
 def _tier(value: str) -> Tier | None:
@@ -39,12 +52,14 @@ class Placement:
     params: Tier | None = None
     grads: Tier | None = None
     optimizer: Tier | None = None
+    chunk_bytes: int = 256 * 2**20   # host bytes one optimizer job's stored classes may take together
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
-        return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer))
+        return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
+                   chunk_bytes=off.chunk_bytes)
 
     @property
     def any_offload(self) -> bool:
@@ -76,36 +91,50 @@ class Placement:
         """
         return param_is_fp32 and self.params == self.optimizer
 
+    def stored_itemsizes(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
+        """Bytes per element of each class this placement stores (host or NVMe), as one optimizer job
+        brings them: ``{TensorClass: itemsize}``; a master that is the parameter counts once."""
+        sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: 4, TensorClass.EXP_AVG_SQ: 4,
+                 TensorClass.MASTER: 0 if self.master_is_param(param_itemsize == 4) else 4,
+                 TensorClass.GRAD: reduce_itemsize}
+        if stage < 2:
+            sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena
+        return {cls: n for cls, n in sizes.items() if n and self.home(cls) is not None}
+
+    def chunk_numel(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
+        """Elements per chunk of a stored unit shard: as many as fit ``chunk_bytes`` with every stored
+        class of the chunk brought at once, in whole multiples of :data:`CHUNK_ALIGN_NUMEL` (direct I/O
+        alignment for any dtype), at least one multiple."""
+        per_element = sum(self.stored_itemsizes(stage, param_itemsize, reduce_itemsize).values()) or 1
+        return max(CHUNK_ALIGN_NUMEL, self.chunk_bytes // per_element // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
+
     def min_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
         """The least host and device tier budgets a training step needs with this placement:
         ``{Tier.HOST: (bytes, why), Tier.DEVICE: (bytes, why)}``.
 
-        Host: every host-homed copy stays there (a home is never evicted), and one unit's optimizer
-        update holds all of that unit's stored classes in host memory at once (master, moments,
-        gradient, new parameter), so the largest such working set must fit beside the host homes.
+        Host: every host-homed copy stays there (a home is never evicted), and one optimizer job
+        holds all of one chunk's stored classes in host memory at once (master, moments, gradient,
+        new parameter), so the largest such working set must fit beside the host homes; chunks
+        (``chunk_bytes``) bound it independently of unit size.
         Device (stage 3, parameters stored): a unit's all-gather reads a device copy of its shard,
         so the largest parameter shard must fit.
         """
-        fp32_master = self.master_is_param(param_itemsize == 4)
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
         homed, worst, worst_unit = 0, 0, None
         for u in units:
-            sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: 4, TensorClass.EXP_AVG_SQ: 4,
-                     TensorClass.MASTER: 0 if fp32_master else 4, TensorClass.GRAD: reduce_itemsize}
-            if stage < 2:
-                sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena
             job = 0
             for cls, itemsize in sizes.items():
-                tier = self.home(cls)
-                if tier is Tier.HOST:
+                if self.home(cls) is Tier.HOST:
                     homed += itemsize * u.shard_numel
-                elif tier is Tier.NVME:
-                    job += itemsize * u.shard_numel
+                else:
+                    job += itemsize * min(u.shard_numel, chunk)
             if job > worst:
                 worst, worst_unit = job, u.name
         host = homed + worst
         why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
-            (f" + the optimizer update of unit {worst_unit!r} ({worst} bytes of stored states brought to host)"
-             if worst_unit is not None else "")
+            (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host; "
+             f"offload.chunk_bytes caps it)" if worst_unit is not None else "")
         device, device_why = 0, "no stored parameters gathered"
         if stage == 3 and self.params is not None:
             largest = max(units, key=lambda u: u.shard_numel)

@@ -17,6 +17,14 @@ the hot path uses :meth:`key` and the store's own async methods instead.
 A stored class may alias another (fp32 training with params and optimizer in
 the same tier: MASTER is the PARAM key), so one copy serves both.
 
+A shard larger than one chunk (``Placement.chunk_numel``: ``offload.chunk_bytes``
+of stored classes together) is stored as one key per chunk and class,
+``u{unit}.{class}.{chunk}``, so an optimizer job brings one chunk, not the unit:
+the optimizer's host working set is bounded whatever the unit's size. Whole-shard
+verbs (``get``, ``read``, ``update``, the gather's parameter) assemble the chunks
+into one tensor outside the store's budget, for as long as the caller holds it;
+the hot path (gradient folds, optimizer jobs) works chunk by chunk.
+
 The engine's verbs (:meth:`param_for_gather`, :meth:`fold_grad`,
 :meth:`job_field`, ...) are the in-memory shard's, done through the store for
 stored classes: a gather reads a pinned device copy, a first gradient replaces
@@ -25,15 +33,17 @@ the stored one without reading it, an optimizer job names store keys.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import threading
 
 import torch
 
 from infinity.store import TensorStore, Tier
-from infinity.zero.placement import Placement, store_key
+from infinity.zero.placement import Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
-__all__ = ["StoreUnitShard", "LentCopies"]
+__all__ = ["StoreUnitShard", "LentCopies", "store_shards"]
 
 
 class LentCopies:
@@ -46,48 +56,79 @@ class LentCopies:
 
     def __init__(self, store: TensorStore):
         self.store = store
-        self._lent: list = []   # (key, tier)
+        self._lent: list = []   # (keys, bounds, tier, assembled tensor or None)
 
-    def add(self, key: str, tier) -> None:
-        self._lent.append((key, tier))
+    def add(self, keys: tuple, tier, bounds: list | None = None, assembled: torch.Tensor | None = None) -> None:
+        """One key lent as the store's own copy, or chunk keys lent as one ``assembled`` tensor
+        (``bounds[i]`` is key i's element range in it), copied back into the chunks on settle."""
+        self._lent.append((keys, bounds, tier, assembled))
 
     def settle(self) -> None:
         lent, self._lent = self._lent, []
-        for key, tier in lent:
-            if key not in self.store:
-                continue   # released since (the engine closed)
-            self.store.mark_dirty(key, tier)
-            if self.store.home(key) is not tier:
-                self.store.write_back(key)   # in the background; a later bring waits for it
+        for keys, bounds, tier, assembled in lent:
+            for i, key in enumerate(keys):
+                if key not in self.store:
+                    continue   # released since (the engine closed)
+                if assembled is None:
+                    self.store.mark_dirty(key, tier)
+                else:
+                    lo, hi = bounds[i]
+                    with self.store.use(key, tier, dirty=True) as t:
+                        t.copy_(assembled[lo:hi])
+                if self.store.home(key) is not tier:
+                    self.store.write_back(key)   # in the background; a later bring waits for it
 
 
 class StoreUnitShard(UnitShard):
-    """This rank's tensors of one unit: in memory or in the store, as ``placement`` says."""
+    """This rank's tensors of one unit: in memory or in the store, as ``placement`` says.
 
-    def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies):
+    ``bounds`` are the chunks' element ranges (``Placement`` / :func:`chunk_bounds`); one range
+    covering the shard stores each class as one key, as before chunking existed.
+    """
+
+    def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies,
+                 bounds: list | None = None):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
-        self._keys: dict = {}     # TensorClass -> store key
+        self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
+        self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
+
+    @property
+    def chunked(self) -> bool:
+        return self.bounds is not None and len(self.bounds) > 1
+
+    def chunks(self) -> list:
+        """Element ranges of the optimizer jobs this shard makes (one when not chunked)."""
+        return list(self.bounds) if self.chunked else [None]
+
+    def _chunk_keys(self, cls: TensorClass) -> tuple:
+        if not self.chunked:
+            return (store_key(self.unit_index, cls),)
+        return tuple(store_key(self.unit_index, cls, c) for c in range(len(self.bounds)))
+
+    def _register(self, cls: TensorClass, make, dtype=None) -> None:
+        """Register each chunk of ``cls`` (``make(lo, hi)``: its tensor or shape), waiting until home."""
+        keys, home = self._chunk_keys(cls), self.placement.home(cls)
+        bounds = self.bounds if self.chunked else [None]
+        futures = [self.store.register(key, make(*(b or (None, None))), dtype=dtype, home=home)
+                   for key, b in zip(keys, bounds)]
+        for f in futures:
+            self.store.wait(f)
+        self._keys[cls] = keys
 
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
-        """Memory classes keep ``tensor``; stored ones copy it into a new key (waits until home)."""
-        home = self.placement.home(cls)
-        if home is None:
+        """Memory classes keep ``tensor``; stored ones copy it into new keys (waits until home)."""
+        if self.placement.home(cls) is None:
             super().put(cls, tensor)
             return
-        key = store_key(self.unit_index, cls)
-        self.store.wait(self.store.register(key, tensor, home=home))
-        self._keys[cls] = key
+        self._register(cls, lambda lo, hi: tensor if lo is None else tensor[lo:hi])
 
     def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device) -> None:
         """Like ``put(cls, torch.zeros(...))`` without building the zeros in memory for stored classes."""
-        home = self.placement.home(cls)
-        if home is None:
+        if self.placement.home(cls) is None:
             super().put(cls, torch.zeros(numel, dtype=dtype, device=device))
             return
-        key = store_key(self.unit_index, cls)
-        self.store.wait(self.store.register(key, (numel,), dtype=dtype, home=home))
-        self._keys[cls] = key
+        self._register(cls, lambda lo, hi: (numel if lo is None else hi - lo,), dtype)
 
     def alias(self, cls: TensorClass, same_as: TensorClass) -> None:
         """``cls`` is the very tensor of ``same_as`` (stored or not)."""
@@ -96,28 +137,45 @@ class StoreUnitShard(UnitShard):
         else:
             super().put(cls, super().get(same_as))
 
-    def key(self, cls: TensorClass) -> str | None:
-        """The store key of a stored class; None for a class held in memory."""
-        return self._keys.get(cls)
+    def keys(self, cls: TensorClass) -> tuple:
+        """The store keys of a stored class, one per chunk; () for a class held in memory."""
+        return self._keys.get(cls, ())
 
     def get(self, cls: TensorClass) -> torch.Tensor:
         """The class's tensor, usable at once; a stored one is lent (see the module doc)."""
-        key = self._keys.get(cls)
-        if key is None:
+        keys = self._keys.get(cls)
+        if keys is None:
             return super().get(cls)
         self.lent.settle()
         tier = self.placement.work_tier(cls)
-        tensor = self.store.wait(self.store.bring(key, tier))
-        self.lent.add(key, tier)
+        if not self.chunked:
+            tensor = self.store.wait(self.store.bring(keys[0], tier))
+            self.lent.add(keys, tier)
+            return tensor
+        tensor = self._assemble(keys, tier)
+        self.lent.add(keys, tier, self.bounds, tensor)
         return tensor
 
     def read(self, cls: TensorClass) -> torch.Tensor:
         """Like :meth:`get` for a caller that will not write: nothing is written back."""
-        key = self._keys.get(cls)
-        if key is None:
+        keys = self._keys.get(cls)
+        if keys is None:
             return super().get(cls)
         self.lent.settle()
-        return self.store.wait(self.store.bring(key, self.placement.work_tier(cls)))
+        tier = self.placement.work_tier(cls)
+        if not self.chunked:
+            return self.store.wait(self.store.bring(keys[0], tier))
+        return self._assemble(keys, tier)
+
+    def _assemble(self, keys: tuple, tier: Tier) -> torch.Tensor:
+        """One tensor of every chunk, brought one at a time (each pinned only while it is copied)."""
+        out = None
+        for key, (lo, hi) in zip(keys, self.bounds):
+            with self.store.use(key, tier) as t:
+                if out is None:
+                    out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
+                out[lo:hi].copy_(t)
+        return out
 
     def has(self, cls: TensorClass) -> bool:
         return cls in self._keys or super().has(cls)
@@ -130,51 +188,78 @@ class StoreUnitShard(UnitShard):
     @contextlib.contextmanager
     def update(self, cls: TensorClass):
         """``with shard.update(cls) as t:`` change a class in place (stored: pinned, marked dirty,
-        written back home asynchronously afterwards)."""
-        key = self._keys.get(cls)
-        if key is None:
+        written back home asynchronously afterwards; chunked: assembled, then copied back per chunk)."""
+        keys = self._keys.get(cls)
+        if keys is None:
             yield super().get(cls)
             return
         self.lent.settle()
         tier = self.placement.work_tier(cls)
-        with self.store.use(key, tier, dirty=True) as t:
+        if self.chunked:
+            t = self._assemble(keys, tier)
             yield t
-        if self.store.home(key) is not tier:
-            self.store.write_back(key)   # completes in the background; a later bring waits for it
+            self.lent.add(keys, tier, self.bounds, t)
+            self.lent.settle()
+            return
+        with self.store.use(keys[0], tier, dirty=True) as t:
+            yield t
+        if self.store.home(keys[0]) is not tier:
+            self.store.write_back(keys[0])   # completes in the background; a later bring waits for it
 
     def replace(self, cls: TensorClass, tensor: torch.Tensor):
-        """New contents for a stored class without reading the old ones (the key is re-registered:
-        NVMe homes get a fresh extent, one write and no read). Returns the store's future; the
-        tensor is copied off the caller's thread (``tensor`` must stay unchanged until the future
-        is done), and a later bring of the key waits for the copy and the write. May be retried
-        after a BudgetError: the register that failed left the key released."""
-        key = self._keys[cls]
+        """New contents for a stored class without reading the old ones (the keys are re-registered:
+        NVMe homes get a fresh extent, one write and no read). Returns one future, done when every
+        chunk is home; the tensor is copied off the caller's thread (``tensor`` must stay unchanged
+        until the future is done), and a later bring of a key waits for its copy and write. May be
+        retried after a BudgetError: a register that failed left its key released, and the retry
+        re-registers every chunk."""
+        keys = self._keys[cls]
         self.lent.settle()
-        if key in self.store:
-            self.store.release(key)
-        return self.store.register(key, tensor, home=self.placement.home(cls), copy_async=True)
+        bounds = self.bounds if self.chunked else [(0, tensor.numel())]
+        futures = []
+        for key, (lo, hi) in zip(keys, bounds):
+            if key in self.store:
+                self.store.release(key)
+            part = tensor if not self.chunked else tensor[lo:hi]
+            futures.append(self.store.register(key, part, home=self.placement.home(cls), copy_async=True))
+        return futures[0] if len(futures) == 1 else _all_of(futures)
 
     # ------------------------------------------------------------ the engine's verbs
 
     def param_for_gather(self):
         """The parameter shard on the device tier, pinned while the all-gather reads it (an eviction
-        meanwhile would hand its budget to another key), and the unpin for when the gather is done."""
-        key = self._keys.get(TensorClass.PARAM)
-        if key is None:
+        meanwhile would hand its budget to another key), and the unpin for when the gather is done.
+        Chunked: every chunk is brought pinned at once (so the device budget must hold one shard,
+        as unchunked), copied into one buffer outside the budget, and unpinned at once."""
+        keys = self._keys.get(TensorClass.PARAM)
+        if keys is None:
             return super().param_for_gather()
         self.lent.settle()   # a checkpoint load may have written the shard through get()
-        src = self.store.wait(self.store.bring(key, Tier.DEVICE, pin=True))
-        return src, lambda: self.store.unpin(key, Tier.DEVICE)
+        futures = [self.store.bring(key, Tier.DEVICE, pin=True) for key in keys]
+        if not self.chunked:
+            src = self.store.wait(futures[0])
+            return src, lambda: self.store.unpin(keys[0], Tier.DEVICE)
+        out = None
+        try:
+            for f, (lo, hi) in zip(futures, self.bounds):
+                t = self.store.wait(f)
+                if out is None:
+                    out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
+                out[lo:hi].copy_(t)
+        finally:
+            for key, f in zip(keys, futures):
+                if f.done() and f.exception() is None:
+                    self.store.unpin(key, Tier.DEVICE)
+        return out, None
 
     def prefetch_param(self) -> None:
         """Start bringing the stored parameter shard to the device tier (raises BudgetError if full)."""
-        key = self._keys.get(TensorClass.PARAM)
-        if key is not None:
+        for key in self._keys.get(TensorClass.PARAM, ()):
             self.store.bring(key, Tier.DEVICE)
 
     def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
-        key = self._keys.get(TensorClass.GRAD)
-        if key is None:
+        keys = self._keys.get(TensorClass.GRAD)
+        if keys is None:
             return super().fold_grad(reduced, first, inspect)
         if first:
             # it *is* the shard, so the old bytes are never read (zero_grad is lazy, saving a read
@@ -182,29 +267,73 @@ class StoreUnitShard(UnitShard):
             if inspect is not None:
                 inspect(reduced)
             return self.replace(TensorClass.GRAD, reduced)
-        with self.update(TensorClass.GRAD) as g:   # pinned + marked dirty, written home in the background
-            g.add_(reduced.to(g.device))
-            if inspect is not None:
-                inspect(g)   # the sum itself may overflow; looked at while it is here
+        self.lent.settle()
+        for key, b in zip(keys, self.bounds if self.chunked else [None]):
+            part = reduced if b is None else reduced[b[0]:b[1]]
+            with self.store.use(key, Tier.HOST, dirty=True) as g:   # pinned + marked dirty
+                g.add_(part.to(g.device))
+                if inspect is not None:
+                    inspect(g)   # the sum itself may overflow; looked at while it is here
+            if self.store.home(key) is not Tier.HOST:
+                self.store.write_back(key)   # in the background; a later bring waits for it
         return None
 
-    def job_field(self, cls: TensorClass):
-        return self._keys.get(cls) or super().get(cls)
+    def job_field(self, cls: TensorClass, chunk: int = 0):
+        """Chunk ``chunk``'s store key for a stored class; the in-memory tensor (its chunk's slice
+        when chunked) otherwise."""
+        keys = self._keys.get(cls)
+        if keys is not None:
+            return keys[chunk]
+        tensor = super().get(cls)
+        if not self.chunked:
+            return tensor
+        lo, hi = self.bounds[chunk]
+        return tensor[lo:hi]
 
     def settle(self) -> None:
         self.lent.settle()
 
     def write_back_dirty(self) -> list:
         futures = []
-        for key in set(self._keys.values()):
+        for key in {k for keys in self._keys.values() for k in keys}:
             if key in self.store and self.store.is_dirty(key) and self.store.home(key) is not Tier.HOST:
                 futures.append(self.store.write_back(key))
         return futures
 
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
-        for key in set(self._keys.values()):
+        for key in {k for keys in self._keys.values() for k in keys}:
             if key in self.store:
                 self.store.release(key)
         self._keys.clear()
         super().release()
+
+
+def store_shards(store: TensorStore, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int):
+    """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks;
+    every shard made by one factory shares one :class:`LentCopies`."""
+    lent = LentCopies(store)
+    chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
+    return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk))
+
+
+def _all_of(futures: list) -> cf.Future:
+    """A future done once every one of ``futures`` is: None, or the first of their errors."""
+    out: cf.Future = cf.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: cf.Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            out.set_exception(errors[0])
+        else:
+            out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out

@@ -123,6 +123,11 @@ class FlatUnit:
         self.unwritten: set | None = None   # slot offsets not written since zero_grad (None: all real)
         self.grad_stale = False             # the gradient shard predates zero_grad: the next fold copies
         self.updated = False                # the running optimizer step has updated this unit's shard
+        self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
+
+    def clear_update(self) -> None:
+        """A new optimizer step: nothing of this unit's shard is updated yet."""
+        self.updated, self.chunks_updated = False, 0
 
     def start_backward_pass(self) -> None:
         """A new backward pass: every parameter's gradient is still to come."""
@@ -208,9 +213,9 @@ class UnitShard:
     def has(self, cls: TensorClass) -> bool:
         return cls in self._tensors
 
-    def key(self, cls: TensorClass) -> str | None:
-        """The store key of a stored class; None: held in memory (always, here)."""
-        return None
+    def keys(self, cls: TensorClass) -> tuple:
+        """The store keys of a stored class (one per chunk); (): held in memory (always, here)."""
+        return ()
 
     def is_alias(self, cls: TensorClass, other: TensorClass) -> bool:
         return self.has(cls) and self.has(other) and self.get(cls) is self.get(other)
@@ -242,9 +247,13 @@ class UnitShard:
             inspect(grad)
         return None
 
-    def job_field(self, cls: TensorClass):
-        """What an optimizer :class:`~infinity.optim.offload_pipeline.ShardJob` takes for ``cls``:
-        a store key, or the in-memory tensor."""
+    def chunks(self) -> list:
+        """Element ranges of the optimizer jobs this shard makes; ``[None]``: one job, the whole shard."""
+        return [None]
+
+    def job_field(self, cls: TensorClass, chunk: int = 0):
+        """What the optimizer :class:`~infinity.optim.offload_pipeline.ShardJob` of chunk ``chunk``
+        takes for ``cls``: a store key, or the in-memory tensor."""
         return self.get(cls)
 
     def settle(self) -> None:
@@ -402,7 +411,7 @@ def memory_bytes(units: list, arena: torch.Tensor | None) -> dict:
         count("params", u.full_param)
         count("grads", u.full_grad)
         for cls in TensorClass:
-            if u.shard is not None and u.shard.has(cls) and u.shard.key(cls) is None:
+            if u.shard is not None and u.shard.has(cls) and not u.shard.keys(cls):
                 count(kinds.get(cls, "optimizer"), u.shard.get(cls))
     count("grads", arena)
     return out

@@ -49,10 +49,11 @@ class ShardUpdate:
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(engine.store, self.adam, lookahead=_LOOKAHEAD, tracer=engine.tracer)
-        self.overlap = OverlappedStep(engine.rank, self._job, self._begin) if cfg.overlap_backward else None
+        self.overlap = OverlappedStep(engine.rank, self._jobs, self._begin) if cfg.overlap_backward else None
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
         self._post_gathers: collections.deque = collections.deque()
+        self._owner: dict = {}   # job name -> its unit
         self._flushing = False
         self._store_mark: dict | None = None
 
@@ -79,13 +80,14 @@ class ShardUpdate:
             if not self.pipeline.running:   # overlapped: backward started it (unless it failed since)
                 self._begin()
                 for unit in e.units:
-                    if not unit.updated:
-                        self.pipeline.submit(self._job(unit))
+                    for job in self._jobs(unit):
+                        self.pipeline.submit(job)
             self.last_stats = self.pipeline.finish()
         finally:
-            by_name = {u.name: u for u in e.units}
-            for name in self.pipeline.updated:
-                by_name[name].updated = True
+            for name in self.pipeline.updated:   # a unit's chunks are updated in order
+                unit = self._owner[name]
+                unit.chunks_updated += 1
+                unit.updated = unit.chunks_updated == len(unit.shard.chunks())
             while self._post_gathers:
                 self._post_gathers.popleft().wait()   # the next forward reads these buffers
 
@@ -95,16 +97,32 @@ class ShardUpdate:
         self.pipeline.start(hyper.__getitem__)
         return self.pipeline
 
-    def _job(self, unit) -> ShardJob:
-        """``unit``'s job; its gradient shard must be final (and lent copies settled)."""
+    def _jobs(self, unit) -> list:
+        """``unit``'s jobs not yet done this step: one per chunk of its shard (one when unchunked,
+        named after the unit; else ``name#chunk``). Its gradient shard must be final."""
         e = self.engine
         s = unit.shard
         s.settle()
-        param_out = None if s.is_alias(TensorClass.MASTER, TensorClass.PARAM) else s.job_field(TensorClass.PARAM)
-        on_done = (lambda param, unit=unit: self.gather_updated(unit, param)) if e.stage in (1, 2) else None
-        return ShardJob(unit.name, s.job_field(TensorClass.MASTER), s.job_field(TensorClass.EXP_AVG),
-                        s.job_field(TensorClass.EXP_AVG_SQ), s.job_field(TensorClass.GRAD), param_out,
-                        unit.shard_group_ranges(e.shard_rank), on_done, grad_scale=e.grads.multiplier)
+        chunks = s.chunks()
+        ranges = unit.shard_group_ranges(e.shard_rank)
+        alias = s.is_alias(TensorClass.MASTER, TensorClass.PARAM)
+        jobs = []
+        for c in range(unit.chunks_updated, len(chunks)):
+            lo, hi = chunks[c] or (0, unit.shard_numel)
+            # stages 1-2: the unit's parameter shard is gathered once its last chunk has landed
+            last = c == len(chunks) - 1
+            on_done = (lambda param, unit=unit: self.gather_updated(unit, param if chunks == [None] else
+                                                                    unit.shard.get(TensorClass.PARAM))) \
+                if e.stage in (1, 2) and last else None
+            jobs.append(ShardJob(
+                unit.name if chunks == [None] else f"{unit.name}#{c}",
+                s.job_field(TensorClass.MASTER, c), s.job_field(TensorClass.EXP_AVG, c),
+                s.job_field(TensorClass.EXP_AVG_SQ, c), s.job_field(TensorClass.GRAD, c),
+                None if alias else s.job_field(TensorClass.PARAM, c),
+                [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
+                on_done, grad_scale=e.grads.multiplier))
+            self._owner[jobs[-1].name] = unit
+        return jobs
 
     def gather_updated(self, unit, param, wait: bool = False) -> None:
         """Stages 1-2: all-gather ``unit``'s updated parameter shard into every rank's full buffer."""
