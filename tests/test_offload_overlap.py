@@ -379,3 +379,38 @@ def test_abort_stops_the_threads_and_unpins(tmp_path):
             pipe.submit(jobs[1])
         with pytest.raises(RuntimeError, match="no step is running"):
             pipe.finish()
+
+
+def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_path):
+    """Stage 3, fp32, everything on NVMe, a host budget that holds a step's gradients: a step writes
+    exactly the master (= parameter) and both moments home, 12 B/element, with overlap_backward; the
+    gradients (4 B/element more) are consumed from host memory and dropped unwritten. Without
+    overlap they wait for the step and are written home at the fold."""
+    from infinity.models import GPT, GPTConfig
+
+    def step_writes(overlap: bool) -> tuple:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32))
+        cfg = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
+               "tiers": {"host_bytes": "64MiB", "device_bytes": "64MiB", "nvme_path": str(tmp_path / str(overlap))},
+               "optimizer": {"threads": 1, "overlap_backward": overlap}, "prefetch": {"bytes": 0}}
+        model, opt = infinity.initialize(model, cfg)
+        engine = infinity.engine_of(model)
+        try:
+            numel = sum(u.shard_numel for u in engine.units)
+            written = []
+            for step in range(3):
+                before = engine.store.stats()["moved_bytes"].get("host->nvme", 0)
+                ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                written.append(engine.store.stats()["moved_bytes"].get("host->nvme", 0) - before)
+            return written, numel
+        finally:
+            engine.close()
+
+    written, numel = step_writes(True)
+    assert written == [12 * numel] * 3, (written, numel)
+    written, numel = step_writes(False)
+    assert all(w >= 16 * numel for w in written), (written, numel)

@@ -194,6 +194,30 @@ class Gated:
         monkeypatch.setattr(ExtentFile, method, gated)
 
 
+def test_discard_drops_newest_host_copy_unwritten_and_reverts_to_home(store):
+    """A claimed, changed host copy discarded: nothing is written, the key reads its home bytes again,
+    and its host room is free; the home copy and a pinned copy are refused."""
+    old, new = sample((1024,), torch.float32, 1), sample((1024,), torch.float32, 2)
+    store.wait(store.register("g", old, home=Tier.NVME))
+    store.wait(store.evict("g", Tier.HOST))
+    written = store.stats()["moved_bytes"].get("host->nvme", 0)
+    t = store.wait(store.claim("g", Tier.HOST, pin=True))
+    t.copy_(new)
+    store.mark_dirty("g", Tier.HOST)
+    assert store.is_dirty("g")
+    with pytest.raises(StoreError, match="pinned"):
+        store.discard("g", Tier.HOST)
+    store.unpin("g", Tier.HOST)
+    with pytest.raises(StoreError, match="home copy"):
+        store.discard("g", Tier.NVME)
+    store.discard("g", Tier.HOST)
+    assert not store.is_dirty("g") and store.residency("g")[Tier.HOST] is Residency.ABSENT
+    assert store.stats()["tier_bytes"]["host"] == 0
+    assert store.stats()["moved_bytes"].get("host->nvme", 0) == written, "a discarded copy was written"
+    assert_bitwise_equal(store.wait(store.bring("g", Tier.HOST)), old)
+    store.discard("g", Tier.DEVICE)   # an absent copy: nothing to do
+
+
 def test_copy_in_motion_is_never_handed_out(store, monkeypatch):
     x = torch.arange(1000.0)
     store.register("a", x).result()

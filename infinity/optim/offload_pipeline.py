@@ -68,6 +68,8 @@ class ShardJob:
     landed, with the updated parameter (e.g. to launch its all-gather) — before any write-back
     of it completes, which is fine: the in-memory copy is already final.
     ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
+    ``discard`` names store keys whose host copy is dropped unwritten once the update is done
+    (a consumed gradient: writing it home would be wasted I/O).
     """
 
     name: str
@@ -79,6 +81,7 @@ class ShardJob:
     ranges: list
     on_done: Callable | None = None
     grad_scale: float = 1.0
+    discard: tuple = ()
     _keys: list = field(default_factory=list, repr=False)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
@@ -477,6 +480,9 @@ class AdamPipeline:
                     f.add_done_callback(lambda _f, k=key, t0=t0: self.tracer.add(
                         f"write {k}", t0, time.perf_counter(), lane="swap-out"))
                 futures.append(f)
+        for key in job.discard:
+            if key in job._keys and self.store.home(key) is not Tier.HOST:
+                self.store.discard(key, Tier.HOST)
         return futures
 
 

@@ -213,6 +213,26 @@ class TensorStore(TransferRunner):
             return Transfer("evict", rec.home, hops, version=rec.latest)
         return self._issue(key, "evict", plan)
 
+    def discard(self, key: str, tier: Tier | str) -> None:
+        """Drop the ``tier`` working copy of ``key`` *without* writing it home, even if it holds the
+        newest contents: the key reverts to the newest copy left (home at least). For bytes the
+        caller is done with, e.g. a gradient the optimizer has consumed, which would otherwise cost
+        a write when evicted. Refused for the home copy and for a pinned copy; waits for an
+        operation in flight."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            while (rec := self._lookup(key, "discard")).op is not None:
+                self._cond.wait()
+            if tier is rec.home:
+                raise self._refuse(rec, tier, "discard", "it is the home copy; release() forgets the key")
+            if rec.copies[tier].pins:
+                raise self._refuse(rec, tier, "discard", "it is pinned (in use); unpin it first")
+            if rec.copies[tier].state is _R.ABSENT:
+                return
+            self._drop(rec, tier, "discard")
+            rec.latest = max(c.version for c in rec.copies.values() if c.state is not _R.ABSENT)
+            self._cond.notify_all()
+
     def release(self, key: str) -> None:
         """Forget ``key``: every copy, including home, is freed. Waits for an operation in flight."""
         with self._cond:

@@ -53,13 +53,16 @@ class Placement:
     grads: Tier | None = None
     optimizer: Tier | None = None
     chunk_bytes: int = 256 * 2**20   # host bytes one optimizer job's stored classes may take together
+    # NVMe-homed gradients wait in host memory unwritten for an update that consumes them during
+    # backward (optimizer.overlap_backward), instead of a write now and a read at the step
+    defer_grad_writes: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=off.chunk_bytes)
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward)
 
     @property
     def any_offload(self) -> bool:

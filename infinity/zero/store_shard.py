@@ -258,10 +258,15 @@ class StoreUnitShard(UnitShard):
             self.store.bring(key, Tier.DEVICE)
 
     def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
+        """A stored gradient is folded in host memory and written home in the background; with
+        ``Placement.defer_grad_writes`` (the update overlaps backward) it is left there unwritten
+        instead, and dropped unwritten once the optimizer has consumed it
+        (:meth:`consumed_after_update`): the gradient shard never touches the disk. The cost: until
+        its update, it holds host room no eviction can take. A host-homed gradient is replaced in place."""
         keys = self._keys.get(TensorClass.GRAD)
         if keys is None:
             return super().fold_grad(reduced, first, inspect)
-        if first:
+        if first and self.placement.home(TensorClass.GRAD) is Tier.HOST:
             # it *is* the shard, so the old bytes are never read (zero_grad is lazy, saving a read
             # and a write of every stored shard per step)
             if inspect is not None:
@@ -270,13 +275,29 @@ class StoreUnitShard(UnitShard):
         self.lent.settle()
         for key, b in zip(keys, self.bounds if self.chunked else [None]):
             part = reduced if b is None else reduced[b[0]:b[1]]
-            with self.store.use(key, Tier.HOST, dirty=True) as g:   # pinned + marked dirty
-                g.add_(part.to(g.device))
+            # first: claimed, its stale bytes never read; else brought and summed into
+            fut = self.store.claim(key, Tier.HOST, pin=True) if first else self.store.bring(key, Tier.HOST, pin=True)
+            g = self.store.wait(fut)
+            try:
+                if first:
+                    g.copy_(part)
+                else:
+                    g.add_(part.to(g.device))
                 if inspect is not None:
                     inspect(g)   # the sum itself may overflow; looked at while it is here
-            if self.store.home(key) is not Tier.HOST:
+                self.store.mark_dirty(key, Tier.HOST)
+            finally:
+                self.store.unpin(key, Tier.HOST)
+            if not self.placement.defer_grad_writes:
                 self.store.write_back(key)   # in the background; a later bring waits for it
         return None
+
+    def consumed_after_update(self, chunk: int = 0) -> tuple:
+        """The NVMe-homed gradient chunk: dead once Adam has read it (the next fold overwrites it)."""
+        keys = self._keys.get(TensorClass.GRAD)
+        if keys is None or self.placement.home(TensorClass.GRAD) is not Tier.NVME:
+            return ()
+        return (keys[chunk],)
 
     def job_field(self, cls: TensorClass, chunk: int = 0):
         """Chunk ``chunk``'s store key for a stored class; the in-memory tensor (its chunk's slice

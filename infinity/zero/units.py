@@ -256,6 +256,10 @@ class UnitShard:
         takes for ``cls``: a store key, or the in-memory tensor."""
         return self.get(cls)
 
+    def consumed_after_update(self, chunk: int = 0) -> tuple:
+        """Store keys of chunk ``chunk`` whose newest bytes are dead once its update is done (none here)."""
+        return ()
+
     def settle(self) -> None:
         """Finish what earlier ``get`` calls lent out (a store-backed shard writes it home)."""
 

@@ -120,7 +120,7 @@ class ShardUpdate:
                 s.job_field(TensorClass.EXP_AVG_SQ, c), s.job_field(TensorClass.GRAD, c),
                 None if alias else s.job_field(TensorClass.PARAM, c),
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
-                on_done, grad_scale=e.grads.multiplier))
+                on_done, grad_scale=e.grads.multiplier, discard=s.consumed_after_update(c)))
             self._owner[jobs[-1].name] = unit
         return jobs
 
