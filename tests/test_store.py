@@ -706,6 +706,28 @@ def test_host_pool_reuses_aligned_buffers_within_capacity():
     assert pool.trim() == st_["cached_bytes"] + 2 * 4096 and pool.stats()["cached_bytes"] == 0
 
 
+def test_peak_bytes_per_window(tmp_path):
+    """take_peak_bytes: each tier's most bytes since the last call (host: the pool, cached buffers too);
+    the next window starts from what is held then, whatever the all-time peak was."""
+    s = make(tmp_path, device_bytes=8 * 4 * KiB, host_bytes=8 * 4 * KiB)
+    try:
+        for i in range(4):
+            s.register(f"k{i}", sample((KiB,), torch.float32, seed=i), home=Tier.NVME).result()
+        s.take_peak_bytes()
+        for i in range(4):
+            s.bring(f"k{i}", Tier.DEVICE).result()
+        first = s.take_peak_bytes()
+        assert first["device"] == 4 * 4 * KiB and 4 * 4 * KiB <= first["host"] <= 8 * 4 * KiB
+        for i in range(4):
+            s.evict(f"k{i}", Tier.DEVICE).result()
+        s.take_peak_bytes()
+        second = s.take_peak_bytes()   # nothing brought in this window: only what is still held
+        assert second["device"] == 0 and s.stats()["peak_bytes"]["device"] == 4 * 4 * KiB
+        assert second["host"] == s.pool.stats()["in_use_bytes"] + s.pool.stats()["cached_bytes"]
+    finally:
+        s.close()
+
+
 # ---------------------------------------------------------------- claim (overwrite without reading)
 
 def test_claim_reads_nothing_and_becomes_the_newest_version(store, monkeypatch):

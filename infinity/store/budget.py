@@ -52,12 +52,14 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[Tier, int]
 
 @dataclass
 class TierAccount:
-    """Bytes reserved in one tier. ``budget_bytes`` None = unbounded (NVMe)."""
+    """Bytes reserved in one tier. ``budget_bytes`` None = unbounded (NVMe). ``peak_bytes``: the most
+    ever reserved; ``window_peak_bytes``: the most since the last :meth:`take_window_peak` (one step)."""
 
     tier: Tier
     budget_bytes: int | None
     in_use_bytes: int = 0
     peak_bytes: int = 0
+    window_peak_bytes: int = 0
 
     def free_bytes(self) -> int | float:
         return float("inf") if self.budget_bytes is None else self.budget_bytes - self.in_use_bytes
@@ -69,6 +71,12 @@ class TierAccount:
                                  f"> {self.budget_bytes}")
         self.in_use_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes)
+
+    def take_window_peak(self) -> int:
+        """The window's peak; the next window starts from what is reserved now."""
+        peak, self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes), self.in_use_bytes
+        return peak
 
     def unreserve(self, nbytes: int) -> None:
         assert 0 <= nbytes <= self.in_use_bytes, (self.tier, nbytes, self.in_use_bytes)

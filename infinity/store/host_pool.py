@@ -41,6 +41,7 @@ class HostBufferPool:
         self.in_use_bytes = 0
         self.cached_bytes = 0
         self.peak_allocated_bytes = 0
+        self.window_peak_bytes = 0            # the most allocated since the last take_window_peak()
         self.hits = 0                         # acquires served from the cache
         self.misses = 0                       # acquires that allocated
 
@@ -69,6 +70,7 @@ class HostBufferPool:
             self.in_use_bytes += size
             self.misses += 1
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.in_use_bytes + self.cached_bytes)
+            self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes + self.cached_bytes)
         try:
             # Allocate outside the lock: pinning a large buffer can take milliseconds.
             return aligned_empty(size, pin=self.pin)
@@ -93,6 +95,14 @@ class HostBufferPool:
             self._free.clear()
             self.cached_bytes = 0
         return freed_bytes
+
+    def take_window_peak(self) -> int:
+        """The most bytes allocated (in use + cached: what the pool costs in RAM) since the last call;
+        the next window starts from what is allocated now."""
+        with self._lock:
+            now = self.in_use_bytes + self.cached_bytes
+            peak, self.window_peak_bytes = max(self.window_peak_bytes, now), now
+        return peak
 
     def stats(self) -> dict:
         with self._lock:

@@ -379,6 +379,15 @@ class TensorStore(TransferRunner):
         out["io"] = extents.stats() if extents is not None else None
         return out
 
+    def take_peak_bytes(self) -> dict:
+        """Per tier, the most bytes held since the last call (a window: one training step); the next
+        window starts from what is held now. ``host`` is the host pool's buffers, in use and cached
+        (what the tier costs in RAM, at most its budget); ``device`` and ``nvme`` are reserved bytes."""
+        with self._cond:
+            out = {t.value: a.take_window_peak() for t, a in self._accounts.items()}
+        out[Tier.HOST.value] = self.pool.take_window_peak()
+        return out
+
     def close(self) -> None:
         """Wait for operations in flight, release every key, remove the swap file. Idempotent."""
         with self._cond:
