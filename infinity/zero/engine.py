@@ -63,6 +63,7 @@ from infinity.zero.grads import GradReducer
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
 from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
+from infinity.zero.memory_report import StepMemory
 from infinity.zero.placement import Placement
 from infinity.zero.stats import EngineStats
 from infinity.zero.tp_norm import TensorParallelNorm
@@ -86,6 +87,7 @@ class ZeroEngine:
 
     def __init__(self, model: nn.Module, config: Config, param_groups: list, collectives=None, device=None,
                  init_fn=None, mesh=None, tensor_parallel=None):
+        self.memory = StepMemory(self)   # first: its baseline is the RSS before any shard (engine.memory_report())
         self.config = config
         self.stage = config.zero.stage
         self.reshard_after_forward = config.zero.reshard_after_forward
@@ -100,7 +102,7 @@ class ZeroEngine:
         self.param_dtype = DTYPES[config.precision.param_dtype]
         self.reduce_dtype = DTYPES[config.precision.reduce_dtype]
         on_meta = meta.is_meta_model(model)
-        self.device = device if device is not None else (torch.device("cpu") if on_meta else _param_device(model))
+        self.device = device or next((p.device for p in model.parameters() if not on_meta), torch.device("cpu"))
         self.stats = EngineStats(self.coll.counters)
         self.tracer = Tracer(self.world_rank)
         self.shard_world = 1 if self.stage == 0 else self.world_size
@@ -368,6 +370,7 @@ class ZeroEngine:
             self.tp.coll.counters.reset()
             self.world_coll.counters.reset()
         self.update.step_stats(self.stats.last_step)
+        self.memory.end_step()
         self.tracer.end_step()
         self.tracer.begin_step()
 
@@ -419,6 +422,10 @@ class ZeroEngine:
             out["store"] = self.store.stats()["tier_bytes"]
         return out
 
+    def memory_report(self) -> dict | None:
+        """The last step's peak RSS and where it went, after ``memory.enable()`` (:mod:`.memory_report`)."""
+        return self.memory.report()
+
     @contextlib.contextmanager
     def gathered(self):
         """Every unit's full parameters live inside the block (stage 3 gathers, then releases them).
@@ -448,9 +455,7 @@ class ZeroEngine:
             return
         self._closed = True
         errors = []
-        for part in (self._remove_hooks, getattr(self, "_finalizer", None)):
-            if part is None:
-                continue
+        for part in filter(None, (self._remove_hooks, getattr(self, "_finalizer", None))):
             try:
                 part()
             except BaseException as e:   # noqa: BLE001 - the rest must still close
@@ -492,9 +497,3 @@ def _add_note(error: BaseException, note: str) -> None:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _param_device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")

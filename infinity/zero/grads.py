@@ -72,6 +72,10 @@ class GradReducer:
         self.on_launched = lambda unit: None
         self.with_room = lambda attempt: attempt()
         self._bucket_bytes = bucket_bytes
+        # stages 1-3: the most bytes of full gradients and reduction outputs held at once (the arena of
+        # stages 0-1 is not counted here: it is resident); see take_buffer_peak
+        self._out_bytes = 0
+        self._buffer_peak_bytes = 0
         # clip: a unit shard's squared gradient norm, and where the sum is all-reduced (None: nowhere,
         # stage 0 holds the whole reduced gradient); tensor parallelism replaces both (engine)
         self.square_sum = lambda unit, grad: grad.float().pow(2).sum()
@@ -128,6 +132,7 @@ class GradReducer:
         unit.full_grad = torch.empty(unit.padded_numel, dtype=self.reduce_dtype, device=self.device)
         unit.full_grad[unit.numel:].zero_()
         unit.unwritten = {s.offset for s in unit.slots}
+        self._note_buffers()
 
     def _reduce(self, unit) -> None:
         """The unit's full gradient is final for this backward: zero its unwritten slots, reduce it."""
@@ -144,6 +149,7 @@ class GradReducer:
             self._launch_ready_buckets()
         elif self.stage >= 2:
             out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            self._note_buffers(out.nbytes)
             self._inflight.append(self._reduce_scatter(
                 unit, out, then=lambda unit=unit, out=out: self._fold(unit, out)))
             while len(self._inflight) > MAX_INFLIGHT:
@@ -164,7 +170,27 @@ class GradReducer:
         if write is not None:
             self.writes.append(write)
         unit.full_grad = None   # the full gradient is dropped once reduced
+        self._out_bytes -= out.nbytes
         self.on_folded(unit)
+
+    def _copy_out(self, unit, out: torch.Tensor) -> None:
+        """Stage 1: a reduce-scatter's output lands in the gradient shard (a view of the arena)."""
+        unit.shard.get(TensorClass.GRAD).copy_(out)
+        self._out_bytes -= out.nbytes
+
+    def _note_buffers(self, new_out_bytes: int = 0) -> None:
+        """A full gradient or a reduction output was allocated: update the buffers' peak."""
+        self._out_bytes += new_out_bytes
+        full = 0 if self.arena is not None else sum(u.full_grad.nbytes for u in self.units
+                                                     if u.full_grad is not None)
+        self._buffer_peak_bytes = max(self._buffer_peak_bytes, full + self._out_bytes)
+
+    def take_buffer_peak(self) -> int:
+        """The most bytes of full gradients (stages 2-3; stages 0-1 sum into the resident arena) and
+        reduction outputs held at once since the last call; the next window starts from now."""
+        peak, self._buffer_peak_bytes = self._buffer_peak_bytes, 0
+        self._note_buffers()
+        return max(peak, self._buffer_peak_bytes)
 
     def _note_non_finite(self, grad: torch.Tensor) -> None:
         self._inf_flag.add_((~torch.isfinite(grad)).any().float().cpu())
@@ -211,6 +237,7 @@ class GradReducer:
                 unit.start_backward_pass()
                 if self.arena is None:
                     unit.full_grad = None
+            self._out_bytes = 0
 
     # ------------------------------------------------------------ the step's view
 
@@ -223,8 +250,9 @@ class GradReducer:
             pending = collections.deque()
             for unit in self.units:
                 out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                pending.append(self._reduce_scatter(
-                    unit, out, then=lambda unit=unit, out=out: unit.shard.get(TensorClass.GRAD).copy_(out)))
+                self._note_buffers(out.nbytes)
+                pending.append(self._reduce_scatter(unit, out,
+                                                    then=lambda unit=unit, out=out: self._copy_out(unit, out)))
                 while len(pending) > MAX_INFLIGHT:
                     pending.popleft().wait()
             while pending:
@@ -271,6 +299,7 @@ class GradReducer:
         """Logically zero every gradient (see the module doc); the multiplier starts again at 1."""
         self.multiplier = 1.0
         self._inf_flag.zero_()
+        self._out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
         if self.arena is not None:
             for unit in self.units:
                 unit.unwritten = {s.offset for s in unit.slots}

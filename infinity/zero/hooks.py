@@ -2,10 +2,11 @@
 
 - root forward pre-hook: notices a backward that raised since the last call
   (``engine.begin_forward``); stage 3 gathers the root unit (in use until the
-  end of backward); starts the forward clock.
-- root forward hook: fp16 wraps the outputs in :class:`ScaleGrad`; registers a
-  grad hook on the outputs that marks the start of backward (and queues the
-  end-of-backward flush).
+  end of backward); starts the forward clock; with ``engine.memory`` enabled,
+  starts counting the tensors the forward saves for backward.
+- root forward hook: stops that count; fp16 wraps the outputs in
+  :class:`ScaleGrad`; registers a grad hook on the outputs that marks the start
+  of backward (and queues the end-of-backward flush).
 - unit forward pre-hook (stage 3): gather this unit for use (``engine.use_unit``,
   within ``prefetch.max_live_bytes``) and, in a training pass, record the use in
   the trace and prefetch along it; ``torch.no_grad()`` passes record nothing.
@@ -87,10 +88,12 @@ def install(engine, model, checkpoint_units: bool = False) -> list:
 
     def root_pre(module, args):
         engine.begin_forward()
+        engine.memory.forward_begins()   # counts saved activations once engine.memory is enabled
         if engine.stage == 3 and root_unit is not None:
             engine.use_unit(root_unit, training=torch.is_grad_enabled())
 
     def root_post(module, args, out):
+        engine.memory.forward_ends()
         if not torch.is_grad_enabled():
             if engine.stage == 3:  # no backward will follow: nothing may stay gathered
                 for u in engine.units:
