@@ -46,7 +46,8 @@ def _add_estimate(sub) -> None:
                    help="also ZeRO x tensor parallelism rows: N tp ways, --devices / N dp ranks (needs --model; "
                         "default: --config's parallel.tensor)")
     p.add_argument("--tokens", type=int, default=None, metavar="N",
-                   help="tokens per dp rank per step, for the tp-axis bytes (default: the model's block size)")
+                   help="tokens per dp rank per step, for the tp-axis bytes and the activations of the peak-RSS "
+                        "bound (default: the model's block size)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                    help="ranks on one node, for the ZeRO++ rows' cross-node bytes (default: --config's "
                         "zeropp.ranks_per_node if set, else 8, at most --devices)")
@@ -89,6 +90,11 @@ def _run_estimate(args) -> int:
         per_node = given if given != "auto" else min(8, args.devices)
     if per_node < 1 or args.devices % per_node:
         raise UsageError(f"--ranks-per-node: {per_node} must be >= 1 and divide --devices {args.devices}")
+    # with a built-in model and a config: the predicted peak RSS and initialize's minimum tier budgets
+    memory = None
+    if config is not None and args.model is not None and config.parallel.tensor == 1:
+        from infinity.memory_bound import gpt_bound
+        memory = gpt_bound(model_cfg, config, args.devices, args.tokens)
     with_config = config is not None and config.zeropp.enabled
     extra = (ZeroPPSwitches.from_config(config.zeropp),) if with_config else ()
     pp_rows = zeropp_rows(num_params, args.devices, per_node, precision, ZEROPP_ROWS + extra)
@@ -98,6 +104,8 @@ def _run_estimate(args) -> int:
         out = {"num_params": num_params, "world_size": args.devices, "precision": precision,
                "model": args.model, "config": args.config, "estimates": [e.to_dict() for e in rows],
                "ranks_per_node": per_node, "zeropp": pp_rows}
+        if memory is not None:
+            out["memory"] = {k: v for k, v in memory.items() if k != "lines"}
         if args.tp > 1:
             out["tensor_parallel"] = _tp_rows(args)
         print(json.dumps(out, indent=2))
@@ -114,6 +122,10 @@ def _run_estimate(args) -> int:
                       f"{c.total_numel / num_params:g} x params", _size(c.total_bytes)))
     _print_table(table)
     print("not counted: activations, gathered stage-3 working set, buffers; host/nvme are per rank")
+    if memory is not None:
+        print("\n" + "\n".join(memory["lines"]))
+    elif config is not None:
+        print("(peak-RSS bound and minimum tier budgets: need --model and parallel.tensor 1)")
     if args.tp > 1:
         _print_tp(_tp_rows(args), args)
     _print_zeropp(pp_rows, args.devices, per_node)

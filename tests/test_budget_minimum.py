@@ -1,7 +1,8 @@
 """``initialize`` refuses tier budgets a step cannot run in, naming the minimum, before writing anything.
 
 The minimum is tight: at exactly the reported bytes the model trains, 4 KiB
-less is refused (so the error never asks for more than is needed).
+less is refused (so the error never asks for more than is needed). ``infinity
+estimate`` prints the same minimum, from the model laid out on the meta device.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.config import ConfigError
+from infinity.config import Config, ConfigError
+from infinity.memory_bound import bound_for_model
 from infinity.models import GPT, GPTConfig
 from infinity.store import Tier
 
@@ -26,9 +28,12 @@ PLACEMENTS = [
 ]
 
 
+MODEL = GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=512, block_size=32)
+
+
 def _model():
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=512, block_size=32))
+    return GPT(MODEL)
 
 
 def _config(path, host, device, stage, dtype, offload):
@@ -73,3 +78,20 @@ def test_trains_at_the_minimum_and_is_refused_below_it(tmp_path, stage, dtype, o
         with pytest.raises(ConfigError, match=rf"tiers.device_bytes = .* is below the {need[Tier.DEVICE]} bytes"):
             infinity.initialize(_model(), _config(swap, need[Tier.HOST], need[Tier.DEVICE] - 4096, stage, dtype,
                                                   offload))
+
+
+@pytest.mark.parametrize("stage,dtype,offload", PLACEMENTS)
+def test_the_estimate_names_the_minimum_initialize_enforces(tmp_path, stage, dtype, offload):
+    conf = _config(tmp_path / "probe", "1GiB", "1GiB", stage, dtype, offload)
+    _, estimated = bound_for_model(lambda: GPT(MODEL), Config.from_dict(conf), baseline_bytes=0)
+    model, _ = infinity.initialize(_model(), conf)
+    engine = infinity.engine_of(model)
+    try:
+        enforced = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
+                                                engine.reduce_dtype.itemsize)
+    finally:
+        engine.close()
+    assert estimated == enforced   # bytes and the reason, per tier
+    least = estimated[Tier.HOST][0]
+    with pytest.raises(ConfigError, match=rf"is below the {least} bytes"):
+        infinity.initialize(_model(), _config(tmp_path / "refused", least - 1, "1GiB", stage, dtype, offload))

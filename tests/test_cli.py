@@ -61,6 +61,38 @@ def test_estimate_with_config_adds_its_row_and_precision(capsys, tmp_path):
     assert code == 0 and f"config ({cfg})" in out
 
 
+def test_estimate_prints_the_minimum_budgets_and_the_rss_bound(capsys, tmp_path):
+    """With --model and --config: initialize's minimum tier budgets (the numbers it enforces) and the
+    predicted peak RSS with its terms; --json carries both."""
+    import infinity
+    from infinity.models import GPT, gpt_config
+    from infinity.store import Tier
+    cfg = tmp_path / "nvme.yaml"
+    cfg.write_text(f"zero: {{stage: 3}}\noffload: {{optimizer: nvme, params: nvme, grads: nvme}}\n"
+                   f"tiers: {{nvme_path: {tmp_path}, host_bytes: 4KiB, device_bytes: 8MiB}}\n")
+    code, out, err = run(capsys, "estimate", "--model", "tiny", "--config", str(cfg))
+    assert code == 0, err
+    model, _ = infinity.initialize(GPT(gpt_config("tiny")), {"zero": {"stage": 3}, "offload": {
+        "optimizer": "nvme", "params": "nvme", "grads": "nvme"}, "tiers": {"nvme_path": str(tmp_path)}})
+    engine = infinity.engine_of(model)
+    need = engine.placement.min_budgets(engine.units, 3, 4, 4)
+    engine.close()
+    host, device = need[Tier.HOST][0], need[Tier.DEVICE][0]
+    assert f"tiers.host_bytes >= {host} bytes" in out and f"tiers.device_bytes >= {device} bytes" in out
+    assert "the config's 4.0KiB: BELOW the minimum: initialize refuses it" in out     # host_bytes: 4KiB
+    assert "the config's 8.0MiB: enough" in out
+    for term in ("baseline_bytes", "host_tier_bytes", "gathered_params_bytes", "activation_bytes", "total"):
+        assert term in out
+    code, out, _ = run(capsys, "estimate", "--model", "tiny", "--config", str(cfg), "--tokens", "128", "--json")
+    memory = json.loads(out)["memory"]
+    assert memory["min_budgets"]["host_bytes"]["bytes"] == host
+    assert memory["min_budgets"]["device_bytes"]["bytes"] == device
+    bound = memory["rss_bound"]
+    assert memory["micro_batch"] == [2, 64] and bound["host_tier_bytes"] == 4096
+    assert bound["total_bytes"] == sum(v for k, v in bound.items() if k != "total_bytes")
+    assert bound["activation_bytes"] > 0 and bound["baseline_bytes"] > 0
+
+
 @pytest.mark.parametrize("argv,message", [
     (["estimate", "--params", "7Q"], "--params: cannot read '7Q'"),
     (["estimate", "--model", "gpt5"], "--model: unknown GPT size 'gpt5'; valid names: tiny, 125m"),
