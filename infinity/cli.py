@@ -448,6 +448,9 @@ def _run_train(args) -> int:
                   f"loss {s['first_loss']:.4f} -> {s['last_loss']:.4f}; {s['tokens_per_s']:,.0f} tokens/s")
         if s.get("val_loss") is not None:
             print(f"validation loss {s['val_loss']:.4f}, perplexity {s['val_perplexity']:.2f}")
+        if s.get("memory"):
+            from infinity.train.report import memory_line
+            print(f"the step with the highest {memory_line(s['memory'])}")
         for what in ("metrics", "trace"):
             if s.get(what):
                 print(f"wrote {what} to {s[what]}")

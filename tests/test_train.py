@@ -97,6 +97,18 @@ def test_one_rank_trains_and_loss_falls(one_rank):
     assert _files_under(one_rank["swap"]) == []
 
 
+def test_metrics_and_summary_carry_the_memory_report(one_rank):
+    """Each metrics line has the step's peak RSS and where it went; the summary the step with the highest."""
+    s, records = one_rank["summary"], one_rank["records"]
+    for r in records:
+        m = r["memory"]
+        assert m["peak_rss_source"] in ("VmHWM", "ru_maxrss")
+        assert m["peak_rss_bytes"] is None or m["peak_rss_bytes"] >= m["rss_bytes"] > 0
+        assert m["store_host_bytes"] > 0 and m["activation_bytes"] > 0   # the default offload uses the store
+    highest = max(records, key=lambda r: r["memory"]["peak_rss_bytes"] or 0)["memory"]
+    assert s["memory"] == highest and s["peak_rss_bytes"] == highest["run_peak_rss_bytes"]
+
+
 def test_trace_is_one_step_of_perfetto_events(one_rank):
     doc = json.loads(one_rank["trace"].read_text())
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]

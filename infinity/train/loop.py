@@ -33,6 +33,7 @@ from infinity.train.options import TrainResult
 from infinity.train.plan import Plan
 from infinity.train.report import Reporter, engine_metrics
 from infinity.train.schedule import build_lr_scheduler
+from infinity.zero.memory_report import warm_torch
 
 __all__ = ["run_rank", "engine_metrics"]
 
@@ -57,10 +58,12 @@ def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
 def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     import infinity
 
+    warm_torch()   # torch's runtime loads on first use: before the engine, so the memory report's baseline holds it
     torch.manual_seed(plan.seed)   # same initial weights on every rank (initialize also broadcasts rank 0's)
     config = Config.from_dict(plan.config)
     model, optimizer, loss_fn, num_params = _build(plan, config)
     engine = infinity.engine_of(model)
+    engine.memory.enable()   # each step's peak RSS and where it went (infinity.zero.memory_report)
     device = engine.device
     try:
         scheduler = build_lr_scheduler(optimizer, config.schedule, config.schedule.total_steps)

@@ -10,7 +10,7 @@ import time
 from infinity.config import format_size
 from infinity.train.plan import Plan
 
-__all__ = ["Reporter", "engine_metrics"]
+__all__ = ["Reporter", "engine_metrics", "memory_line"]
 
 
 class Reporter:
@@ -22,6 +22,7 @@ class Reporter:
         self.rates: list = []
         self.val_losses: list = []       # (step, loss)
         self.checkpoint: str | None = None
+        self.memory: dict | None = None  # the memory report of the step with the highest peak RSS
         self.t_start = time.perf_counter()
         # a resumed run appends: one metrics file holds the whole run
         self.metrics = open(plan.metrics, "a" if plan.start_step else "w") if plan.metrics else None
@@ -50,6 +51,9 @@ class Reporter:
         rec.update(extra)
         if "val_loss" in extra:
             self.val_losses.append((step, extra["val_loss"]))
+        mem = extra.get("memory")
+        if mem and (self.memory is None or (mem["peak_rss_bytes"] or 0) > (self.memory["peak_rss_bytes"] or 0)):
+            self.memory = mem
         if self.metrics is not None:
             self.metrics.write(json.dumps(rec) + "\n")
             self.metrics.flush()   # one line per finished step, readable while training runs
@@ -82,6 +86,8 @@ class Reporter:
             "val_loss": self.val_losses[-1][1] if self.val_losses else None,
             "val_perplexity": _perplexity(self.val_losses[-1][1]) if self.val_losses else None,
             "val_losses": self.val_losses, "checkpoint": self.checkpoint,
+            "peak_rss_bytes": self.memory["run_peak_rss_bytes"] if self.memory else None,
+            "memory": self.memory,
         }
 
 
@@ -92,7 +98,9 @@ def engine_metrics(engine, step_s: float) -> dict:
     the compute device's). ``moved_bytes``: bytes per tier pair ("host->nvme").
     ``io_gbps``: NVMe bytes read plus written over the whole step time.
     ``stall_pct``: share of the step the compute thread waited on collectives
-    and on the store (``comm_wait_s`` + ``io_wait_s``).
+    and on the store (``comm_wait_s`` + ``io_wait_s``). ``memory``: the step's
+    peak RSS and where it went, once ``engine.memory`` is enabled (keys:
+    :mod:`infinity.zero.memory_report`).
     """
     last = engine.stats.last_step
     out = {}
@@ -123,7 +131,21 @@ def engine_metrics(engine, step_s: float) -> dict:
     tiers = {"device": sum(resident.values()) + store.get("device", 0)}
     tiers.update({k: v for k, v in store.items() if k != "device"})
     out["tier_bytes"] = tiers
+    memory = engine.memory_report()
+    if memory is not None:
+        out["memory"] = memory
     return out
+
+
+def memory_line(mem: dict) -> str:
+    """One line: a memory report's peak RSS and its parts (keys: :mod:`infinity.zero.memory_report`)."""
+    def size(key):
+        return format_size(mem[key]) if mem.get(key) is not None else "n/a"
+    parts = [f"{name} {size(key)}" for name, key in (
+        ("baseline", "baseline_rss_bytes"), ("store host", "store_host_bytes"), ("store device", "store_device_bytes"),
+        ("gathered params", "gathered_params_bytes"), ("grad buffers", "grad_buffers_bytes"),
+        ("resident state", "resident_bytes"), ("activations", "activation_bytes"), ("other", "other_bytes"))]
+    return f"peak RSS {size('peak_rss_bytes')} ({mem['peak_rss_source']}): " + ", ".join(parts)
 
 
 def _postfix(rec: dict) -> str:
@@ -135,6 +157,8 @@ def _postfix(rec: dict) -> str:
     tiers = rec.get("tier_bytes")
     if tiers:
         parts.append(" ".join(f"{k} {format_size(v)}" for k, v in tiers.items()))
+    if rec.get("memory", {}).get("peak_rss_bytes"):
+        parts.append(f"peak rss {format_size(rec['memory']['peak_rss_bytes'])}")
     if "io_gbps" in rec:
         parts.append(f"io {rec['io_gbps']:.2f} GB/s")
     if "stall_pct" in rec:
