@@ -31,6 +31,7 @@ import collections
 
 import torch
 
+from infinity.zero.collectives import LocalCollectives
 from infinity.zero.units import TensorClass
 
 __all__ = ["GradReducer", "MAX_INFLIGHT"]
@@ -148,8 +149,11 @@ class GradReducer:
             self._bucket_of[unit.index].ready += 1
             self._launch_ready_buckets()
         elif self.stage >= 2:
-            out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-            self._note_buffers(out.nbytes)
+            if isinstance(self.coll, LocalCollectives) and not (self.zeropp is not None and self.zeropp.quantize_grads):
+                out = unit.full_grad   # one rank: the mean is the gradient itself, no second full-size buffer
+            else:
+                out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                self._note_buffers(out.nbytes)
             self._inflight.append(self._reduce_scatter(
                 unit, out, then=lambda unit=unit, out=out: self._fold(unit, out)))
             while len(self._inflight) > MAX_INFLIGHT:
