@@ -99,6 +99,15 @@ def _size_or_auto(v, key):
     return "auto" if v == "auto" else parse_size(v, key)
 
 
+def _size_or_off_or_auto(v, key):
+    if v in ("auto", "off"):
+        return v
+    n = parse_size(v, key)
+    if not 0 < n <= 32 * 2**20:
+        raise ConfigError(f"{key}: {v!r} must be 'auto', 'off' or a size in (0, 32MiB] (glibc's limit)")
+    return n
+
+
 def _choice(*options):
     def parse(v, key):
         if v not in options:
@@ -254,6 +263,10 @@ class TiersConfig:
     device_bytes: Any = _f("auto", _size_or_auto, "device tier budget; auto = free device memory (CPU: 1/4 of RAM)")
     host_bytes: Any = _f("auto", _size_or_auto, "host tier budget; auto = 1/2 of available RAM")
     nvme_path: Any = _f(None, _optional_path, "swap directory for the nvme tier (needed when anything lives there)")
+    malloc_mmap_threshold: Any = _f(
+        "auto", _size_or_off_or_auto, "glibc's mmap threshold, fixed so that freed blocks above it return to the OS "
+        "and RSS stays near the budgets (process-wide mallopt); smaller returns more at more page faults; "
+        "auto = 4MiB when anything is offloaded, else untouched; off = glibc's default (raised as blocks are freed)")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
+from infinity.store.host_malloc import fix_mmap_threshold
 from infinity.zero.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model, materialize_steps
@@ -24,6 +25,7 @@ __all__ = ["initialize", "engine_of"]
 _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
 # model -> its engine, weakly both ways: the engine lives as long as the model's hooks or the optimizer
 # hold it, and its finalizer (swap files, threads) runs once both are gone
+AUTO_MMAP_THRESHOLD = 4 * 2**20   # tiers.malloc_mmap_threshold: auto (measured: see host_malloc)
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -69,6 +71,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
         raise RuntimeError(f"initialize: this {type(model).__name__} was already initialized; its parameters are "
                            "views into the first engine's buffers. Build a fresh model to initialize again")
     cfg = Config.load(config)
+    _bound_host_heap(cfg)
     device = _init_distributed()
     on_meta = is_meta_model(model)
     if device.type == "cuda" and not on_meta:
@@ -101,6 +104,15 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
         raise
     _ENGINES[model] = weakref.ref(engine)
     return model, optimizer
+
+
+def _bound_host_heap(cfg: Config) -> None:
+    """``tiers.malloc_mmap_threshold`` (see :mod:`infinity.store.host_malloc`)."""
+    threshold = cfg.tiers.malloc_mmap_threshold
+    offloaded = any(v != "none" for v in (cfg.offload.optimizer, cfg.offload.params, cfg.offload.grads))
+    if threshold == "off" or (threshold == "auto" and not offloaded):
+        return
+    fix_mmap_threshold(AUTO_MMAP_THRESHOLD if threshold == "auto" else threshold)
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:

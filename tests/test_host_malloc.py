@@ -1,0 +1,63 @@
+"""``tiers.malloc_mmap_threshold``: with anything offloaded, freed multi-MiB blocks go back to the OS.
+
+glibc raises its mmap threshold to the size of each large block freed, so the
+next block of that size comes from the heap and stays in RSS after it is
+freed. A child process initializes an offloaded engine (threshold auto, or
+``off`` as the control), frees one 24 MiB tensor, allocates and frees another,
+and reports how much of it RSS kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import torch
+    torch.set_num_threads(1)
+    import infinity
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    conf = {"zero": {"stage": 1}, "offload": {"optimizer": "nvme"},
+            "tiers": {"nvme_path": sys.argv[1], "malloc_mmap_threshold": sys.argv[2]}}
+    model, opt = infinity.initialize(model, conf)
+    n = 24 * 2**20 // 4
+    a = torch.ones(n)      # mapped (above any threshold so far)...
+    del a                  # ... and unmapped: glibc's default now raises its threshold past 24 MiB
+    before = rss()
+    b = torch.ones(n)      # default: from the heap; fixed threshold: mapped again
+    during = rss()
+    del b
+    after = rss()
+    infinity.engine_of(model).close()
+    print(json.dumps({"held_during": during - before, "kept_after_free": after - before}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
+def test_freed_blocks_return_to_the_os_when_offloading(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def run(setting):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / setting), setting], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    mib = 2**20
+    control, fixed = run("off"), run("auto")
+    assert control["held_during"] > 20 * mib and fixed["held_during"] > 20 * mib, (control, fixed)
+    assert control["kept_after_free"] > 20 * mib, f"the control did not keep the block: {control}"
+    assert fixed["kept_after_free"] < 2 * mib, f"with the fixed threshold the block stayed in RSS: {fixed}"
