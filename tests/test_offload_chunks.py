@@ -93,30 +93,33 @@ def test_chunked_training_equals_unchunked(tmp_path, kw):
         assert torch.equal(params[name], want), f"{name}: chunked run differs from the unchunked one"
 
 
-def test_chunks_bound_the_host_minimum_and_it_trains_there(tmp_path):
-    """Unchunked, one optimizer job holds the whole root unit's states: the host minimum is unit-sized.
-    Chunked, it is chunk-sized, initialize accepts that budget, training stays inside it, and the
-    losses equal the unchunked run's."""
+def test_chunks_bound_the_tier_minimums_and_it_trains_there(tmp_path):
+    """Unchunked, one optimizer job holds the whole root unit's states and a gather its whole parameter
+    shard: the host and device minimums are unit-sized. Chunked, both are chunk-sized, initialize
+    accepts those budgets, training stays inside them, and the losses equal the unchunked run's."""
     def minimum(path, chunk_bytes):
         model, _ = infinity.initialize(_model(), _config(path, chunk_bytes=chunk_bytes))
         engine = infinity.engine_of(model)
         try:
             root = max(engine.units, key=lambda u: u.shard_numel)
-            need = engine.placement.min_budgets(engine.units, 3, 4, 4)[Tier.HOST][0]
-            return need, root.shard_numel
+            need = engine.placement.min_budgets(engine.units, 3, 4, 4)
+            return need[Tier.HOST][0], root.shard_numel, need[Tier.DEVICE][0]
         finally:
             engine.close()
 
-    whole, root_numel = minimum(tmp_path / "p1", None)
-    chunked, _ = minimum(tmp_path / "p2", SMALL_CHUNK)
+    whole, root_numel, whole_device = minimum(tmp_path / "p1", None)
+    chunked, _, chunked_device = minimum(tmp_path / "p2", SMALL_CHUNK)
+    # a stage-3 gather pins one chunk of the parameter shard at a time on the device tier
+    assert whole_device == 4 * root_numel and chunked_device * 8 < whole_device, (chunked_device, whole_device)
     assert whole == 16 * root_numel           # fp32: param (= master), m, v, grad of the whole root unit
     assert chunked <= SMALL_CHUNK < whole / 4, (chunked, whole)
 
     with pytest.raises(ConfigError, match=rf"tiers.host_bytes = {chunked} bytes .* below the {whole} bytes"):
         infinity.initialize(_model(), _config(tmp_path / "refused", host=chunked))
     ref_losses, ref_params, _, _ = _run(tmp_path / "ref")
-    losses, params, _, stats = _run(tmp_path / "tight", chunk_bytes=SMALL_CHUNK, host=chunked, device="8MiB")
-    assert stats["peak_bytes"]["host"] <= chunked
+    losses, params, _, stats = _run(tmp_path / "tight", chunk_bytes=SMALL_CHUNK, host=chunked,
+                                    device=max(chunked_device, 4096))
+    assert stats["peak_bytes"]["host"] <= chunked and stats["peak_bytes"]["device"] <= chunked_device
     assert losses == ref_losses
     assert all(torch.equal(params[n], p) for n, p in ref_params.items())
 

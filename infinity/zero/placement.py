@@ -140,9 +140,10 @@ class Placement:
              f"offload.chunk_bytes caps it)" if worst_unit is not None else "")
         device, device_why = 0, "no stored parameters gathered"
         if stage == 3 and self.params is not None:
+            # a gather pins one chunk of the shard at a time (the whole shard when it is one chunk)
             largest = max(units, key=lambda u: u.shard_numel)
-            device = largest.shard_numel * param_itemsize
-            device_why = f"the all-gather of unit {largest.name!r} reads its {device}-byte parameter shard there"
+            device = min(largest.shard_numel, chunk) * param_itemsize
+            device_why = f"the all-gather of unit {largest.name!r} reads {device} bytes of its parameter shard there"
         return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
 
     def check_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,

@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from infinity.store import TensorStore, Tier
+from infinity.store import BudgetError, TensorStore, Tier
 from infinity.zero.placement import Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
@@ -228,28 +228,30 @@ class StoreUnitShard(UnitShard):
 
     def param_for_gather(self):
         """The parameter shard on the device tier, pinned while the all-gather reads it (an eviction
-        meanwhile would hand its budget to another key), and the unpin for when the gather is done.
-        Chunked: every chunk is brought pinned at once (so the device budget must hold one shard,
-        as unchunked), copied into one buffer outside the budget, and unpinned at once."""
+        meanwhile would hand its budget to another key), and the unpin for when the gather is done. Chunked: each chunk is pinned only while it is copied into one
+        buffer outside the budget (so that tier's budget must hold one chunk, not the shard)."""
         keys = self._keys.get(TensorClass.PARAM)
         if keys is None:
             return super().param_for_gather()
         self.lent.settle()   # a checkpoint load may have written the shard through get()
-        futures = [self.store.bring(key, Tier.DEVICE, pin=True) for key in keys]
+        tier = Tier.DEVICE
         if not self.chunked:
-            src = self.store.wait(futures[0])
-            return src, lambda: self.store.unpin(keys[0], Tier.DEVICE)
+            src = self.store.wait(self.store.bring(keys[0], tier, pin=True))
+            return src, lambda: self.store.unpin(keys[0], tier)
+        for key in keys[1:]:   # reads in flight together, as far as the budget has room (best effort)
+            try:
+                self.store.bring(key, tier)
+            except BudgetError:
+                break
         out = None
-        try:
-            for f, (lo, hi) in zip(futures, self.bounds):
-                t = self.store.wait(f)
+        for key, (lo, hi) in zip(keys, self.bounds):
+            t = self.store.wait(self.store.bring(key, tier, pin=True))
+            try:
                 if out is None:
                     out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
                 out[lo:hi].copy_(t)
-        finally:
-            for key, f in zip(keys, futures):
-                if f.done() and f.exception() is None:
-                    self.store.unpin(key, Tier.DEVICE)
+            finally:
+                self.store.unpin(key, tier)
         return out, None
 
     def prefetch_param(self) -> None:
