@@ -143,6 +143,13 @@ class StoreUnitShard(UnitShard):
 
     def get(self, cls: TensorClass) -> torch.Tensor:
         """The class's tensor, usable at once; a stored one is lent (see the module doc)."""
+        return self._fetch(cls, lend=True)
+
+    def read(self, cls: TensorClass) -> torch.Tensor:
+        """Like :meth:`get` for a caller that will not write: nothing is written back."""
+        return self._fetch(cls, lend=False)
+
+    def _fetch(self, cls: TensorClass, lend: bool) -> torch.Tensor:
         keys = self._keys.get(cls)
         if keys is None:
             return super().get(cls)
@@ -150,22 +157,13 @@ class StoreUnitShard(UnitShard):
         tier = self.placement.work_tier(cls)
         if not self.chunked:
             tensor = self.store.wait(self.store.bring(keys[0], tier))
-            self.lent.add(keys, tier)
+            if lend:
+                self.lent.add(keys, tier)
             return tensor
         tensor = self._assemble(keys, tier)
-        self.lent.add(keys, tier, self.bounds, tensor)
+        if lend:
+            self.lent.add(keys, tier, self.bounds, tensor)
         return tensor
-
-    def read(self, cls: TensorClass) -> torch.Tensor:
-        """Like :meth:`get` for a caller that will not write: nothing is written back."""
-        keys = self._keys.get(cls)
-        if keys is None:
-            return super().get(cls)
-        self.lent.settle()
-        tier = self.placement.work_tier(cls)
-        if not self.chunked:
-            return self.store.wait(self.store.bring(keys[0], tier))
-        return self._assemble(keys, tier)
 
     def _assemble(self, keys: tuple, tier: Tier) -> torch.Tensor:
         """One tensor of every chunk, brought one at a time (each pinned only while it is copied)."""
