@@ -266,7 +266,8 @@ class TiersConfig:
     malloc_mmap_threshold: Any = _f(
         "auto", _size_or_off_or_auto, "glibc's mmap threshold, fixed so that freed blocks above it return to the OS "
         "and RSS stays near the budgets (process-wide mallopt); smaller returns more at more page faults; "
-        "auto = 4MiB when anything is offloaded, else untouched; off = glibc's default (raised as blocks are freed)")
+        "auto = 4MiB when anything is offloaded and the environment sets no MALLOC_MMAP_THRESHOLD_, else untouched; "
+        "off = glibc's default (raised as blocks are freed)")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ def _bound_host_heap(cfg: Config) -> None:
     """``tiers.malloc_mmap_threshold`` (see :mod:`infinity.store.host_malloc`)."""
     threshold = cfg.tiers.malloc_mmap_threshold
     offloaded = any(v != "none" for v in (cfg.offload.optimizer, cfg.offload.params, cfg.offload.grads))
-    if threshold == "off" or (threshold == "auto" and not offloaded):
+    # auto leaves a threshold the environment already fixed (glibc reads MALLOC_MMAP_THRESHOLD_ at start)
+    if threshold == "off" or (threshold == "auto" and (not offloaded or "MALLOC_MMAP_THRESHOLD_" in os.environ)):
         return
     fix_mmap_threshold(AUTO_MMAP_THRESHOLD if threshold == "auto" else threshold)
 

@@ -3,8 +3,9 @@
 glibc raises its mmap threshold to the size of each large block freed, so the
 next block of that size comes from the heap and stays in RSS after it is
 freed. A child process initializes an offloaded engine (threshold auto, or
-``off`` as the control), frees one 24 MiB tensor, allocates and frees another,
-and reports how much of it RSS kept.
+``off`` as the control, or auto under a ``MALLOC_MMAP_THRESHOLD_`` the user
+set), frees one 24 MiB tensor, allocates and frees another, and reports how much
+of it RSS kept.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ CHILD = textwrap.dedent("""
             "tiers": {"nvme_path": sys.argv[1], "malloc_mmap_threshold": sys.argv[2]}}
     model, opt = infinity.initialize(model, conf)
     n = 24 * 2**20 // 4
-    a = torch.ones(n)      # mapped (above any threshold so far)...
-    del a                  # ... and unmapped: glibc's default now raises its threshold past 24 MiB
     before = rss()
-    b = torch.ones(n)      # default: from the heap; fixed threshold: mapped again
+    a = torch.ones(n)      # default: mapped (above any threshold so far)...
+    del a                  # ... and unmapped, and glibc's default now raises its threshold past 24 MiB
+    b = torch.ones(n)      # default: from the heap; fixed 4 MiB threshold: mapped again
     during = rss()
     del b
     after = rss()
@@ -50,9 +51,9 @@ def test_freed_blocks_return_to_the_os_when_offloading(tmp_path):
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
 
-    def run(setting):
-        out = subprocess.run([sys.executable, str(script), str(tmp_path / setting), setting], env=env,
-                             capture_output=True, text=True, timeout=120)
+    def run(setting, **extra_env):
+        out = subprocess.run([sys.executable, str(script), str(tmp_path / f"{setting}{len(extra_env)}"), setting],
+                             env=dict(env, **extra_env), capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -61,3 +62,7 @@ def test_freed_blocks_return_to_the_os_when_offloading(tmp_path):
     assert control["held_during"] > 20 * mib and fixed["held_during"] > 20 * mib, (control, fixed)
     assert control["kept_after_free"] > 20 * mib, f"the control did not keep the block: {control}"
     assert fixed["kept_after_free"] < 2 * mib, f"with the fixed threshold the block stayed in RSS: {fixed}"
+    # a threshold the environment fixes is the user's choice: auto leaves it (32 MiB, with heap trimming
+    # off, keeps this block; auto's 4 MiB would map and unmap it)
+    chosen = run("auto", MALLOC_MMAP_THRESHOLD_=str(32 * mib), MALLOC_TRIM_THRESHOLD_=str(256 * mib))
+    assert chosen["kept_after_free"] > 20 * mib, f"auto overrode MALLOC_MMAP_THRESHOLD_: {chosen}"
