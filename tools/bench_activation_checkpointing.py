@@ -29,14 +29,6 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _vm_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def child(args) -> dict:
     """One configuration, in this (fresh) process."""
     import torch
@@ -44,6 +36,7 @@ def child(args) -> dict:
     sys.path.insert(0, REPO)
     import infinity
     from infinity.train import build_model, parse_model_spec
+    from infinity.zero.memory_report import read_peak_rss, reset_peak_rss
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -64,12 +57,7 @@ def child(args) -> dict:
     times, losses, reset = [], [], False
     for i, ids in enumerate(batches):
         if i == 1:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                reset = True
-            except OSError:
-                reset = False
+            reset = reset_peak_rss()
         t0 = time.perf_counter()
         if i == 1:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -83,7 +71,7 @@ def child(args) -> dict:
         if i > 0:
             times.append(time.perf_counter() - t0)
     infinity.engine_of(model).close()
-    return {"step_s": statistics.median(times), "peak_rss_bytes": _vm_hwm_bytes(), "hwm_reset": reset,
+    return {"step_s": statistics.median(times), "peak_rss_bytes": read_peak_rss(), "hwm_reset": reset,
             "saved_activation_bytes": sum(saved.values()), "losses": losses}
 
 

@@ -58,6 +58,7 @@ sys.path.insert(0, REPO)
 import torch
 
 from infinity.config import Config, ConfigError, format_size, parse_size
+from infinity.zero.memory_report import reset_peak_rss
 
 SIZES = {  # layers, width, heads: the peers' table, and 4b = 4.07B params, the first >= 4.0B at width 2560
     "tiny": (2, 128, 2), "small": (12, 768, 12), "medium": (24, 1024, 16), "1b": (24, 2048, 16),
@@ -170,15 +171,6 @@ def proc_status(key="VmHWM"):
     """A /proc/self/status figure in bytes: VmHWM (peak RSS) or VmRSS (now)."""
     m = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
     return int(m.group(1)) * 1024 if m else 0
-
-
-def reset_hwm() -> bool:
-    """VmHWM back to the current RSS (Linux >= 4.0); False where /proc/self/clear_refs is not writable."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
 
 
 def proc_io():
@@ -311,7 +303,7 @@ def child_train(a) -> dict:
     engine = infinity.engine_of(model)
     setup_s, setup_hwm, swap_after_setup = time.perf_counter() - t0, proc_status(), dir_bytes(a.swap_dir)
     ctypes.CDLL("libc.so.6").malloc_trim(0)   # as the peers do after set-up: freed heap is not the steps'
-    rss_before_steps, hwm_reset = proc_status("VmRSS"), reset_hwm()
+    rss_before_steps, hwm_reset = proc_status("VmRSS"), reset_peak_rss()
     if hasattr(getattr(engine, "memory", None), "enable"):
         engine.memory.enable()   # the engine's per-step breakdown; it resets VmHWM after each step itself
     rows, reports = [], []
