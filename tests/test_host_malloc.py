@@ -66,3 +66,12 @@ def test_freed_blocks_return_to_the_os_when_offloading(tmp_path):
     # off, keeps this block; auto's 4 MiB would map and unmap it)
     chosen = run("auto", MALLOC_MMAP_THRESHOLD_=str(32 * mib), MALLOC_TRIM_THRESHOLD_=str(256 * mib))
     assert chosen["kept_after_free"] > 20 * mib, f"auto overrode MALLOC_MMAP_THRESHOLD_: {chosen}"
+
+
+def test_a_threshold_glibc_cannot_take_is_refused_naming_the_key():
+    from infinity.config import Config, ConfigError
+
+    for bad in ("64MiB", "0", "lots"):
+        with pytest.raises(ConfigError, match="tiers.malloc_mmap_threshold"):
+            Config.load({"tiers": {"malloc_mmap_threshold": bad}})
+    assert Config.load({"tiers": {"malloc_mmap_threshold": "1MiB"}}).tiers.malloc_mmap_threshold == 2**20
