@@ -256,6 +256,11 @@ class OffloadConfig:
         "chunks whose stored classes together (master, moments, gradient, parameter: ~16-18 B/element) fit in it, "
         "each updated as its own job. Smaller bounds the optimizer's host working set (the pipeline holds up to 3 "
         "jobs) independently of unit size, e.g. a 128M-element embedding; larger makes fewer, bigger disk requests")
+    host_resident_bytes: Any = _f(
+        "auto", _size_or_auto, "host memory in which chunks homed on nvme stay for good, never read from or "
+        "written to the disk again (parameters first: 3 transfers a step per byte, then optimizer states: 2); "
+        "counted in tiers.host_bytes. auto = what tiers.host_bytes holds beyond the step's working room (the "
+        "larger of 4 optimizer jobs and half the budget); 0 = everything placed on nvme stays there")
 
 
 @dataclass(frozen=True)

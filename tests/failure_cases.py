@@ -137,7 +137,8 @@ def make_config(home: str, tmp: str | None, stage: int = 3, world: int = 1, rank
     if home == "nvme":
         path = os.path.join(tmp, f"rank{rank}")
         os.makedirs(path, exist_ok=True)
-        cfg["offload"] = dict(offload or ALL_NVME)
+        # every shard really on the disk (none kept host-resident): the failures injected are the disk's
+        cfg["offload"] = dict(offload or ALL_NVME, host_resident_bytes=0)
         cfg["tiers"] = dict(budgets or NVME_BUDGETS[world], nvme_path=path)
         # no store prefetch: the reads a backward makes happen in program order, the same on every rank
         cfg["prefetch"] = {"bytes": 0}

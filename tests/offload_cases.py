@@ -17,7 +17,8 @@ def offload_config(spec: dict, rank: int, world: int = 1) -> dict:
     """Budgets in the spec are for world size 1; shards shrink with the world, so do the budgets, but
     padding to 4096-byte shards does not: 64 KiB of slack per rank covers it at world size 2."""
     cfg = zero_cases.config_for(spec)
-    cfg["offload"] = spec["offload"]
+    # the disk path under test: nothing kept host-resident unless the spec says so
+    cfg["offload"] = {"host_resident_bytes": 0, **spec["offload"]}
 
     def per_rank(n):
         return n if world == 1 else -(-n // world // 4096) * 4096 + 64 * 1024

@@ -46,8 +46,8 @@ SPECS = {
     "s2_fp16": dict(BASE, stage=2, dtype="fp16", loss_scale_window=1, initial_loss_scale=1024.0),
     "tied": dict(BASE, model="cross_tied", stage=2, groups=True, extras=True),
     "gpt2": dict(BASE, model="hf_gpt2", stage=3, steps=2, logits=True),
-    "s1_nvme": dict(BASE, stage=1, offload=dict(optimizer="nvme", params="none", grads="none")),
-    "s3_nvme": dict(BASE, stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host")),
+    "s1_nvme": dict(BASE, stage=1, offload=dict(optimizer="nvme", params="none", grads="none", host_resident_bytes=0)),
+    "s3_nvme": dict(BASE, stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host", host_resident_bytes=0)),
 }
 EXACT = ("s1", "s3", "s3_bf16", "s2_fp16", "s1_nvme", "s3_nvme")
 FP32_TOL = dict(loss_rtol=1e-5, param_atol=5e-5)

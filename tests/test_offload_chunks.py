@@ -29,7 +29,7 @@ def _model():
 
 def _config(path, stage=3, dtype="fp32", offload=None, chunk_bytes=None, host="64MiB", device="64MiB",
             overlap=False):
-    off = dict(offload or {"params": "nvme", "grads": "nvme", "optimizer": "nvme"})
+    off = dict(offload or {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}, host_resident_bytes=0)
     if chunk_bytes is not None:
         off["chunk_bytes"] = chunk_bytes
     return {"zero": {"stage": stage}, "precision": {"param_dtype": dtype}, "offload": off,

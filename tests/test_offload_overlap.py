@@ -391,7 +391,8 @@ def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_pa
     def step_writes(overlap: bool) -> tuple:
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32))
-        cfg = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
+        cfg = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme",
+                                                 "host_resident_bytes": 0},
                "tiers": {"host_bytes": "64MiB", "device_bytes": "64MiB", "nvme_path": str(tmp_path / str(overlap))},
                "optimizer": {"threads": 1, "overlap_backward": overlap}, "prefetch": {"bytes": 0}}
         model, opt = infinity.initialize(model, cfg)

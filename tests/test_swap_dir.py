@@ -13,7 +13,8 @@ from infinity.store import StoreError
 
 
 def _config(path):
-    return {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme"},
+    # nothing kept host-resident: the shards must reach the swap directory
+    return {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "host_resident_bytes": 0},
             "tiers": {"nvme_path": str(path)}}
 
 

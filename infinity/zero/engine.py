@@ -147,15 +147,15 @@ class ZeroEngine:
             # fp16: an overflow on any rank skips the step on all, or tp ranks' replicated weights part
             self.grads.overflow_coll = self.world_coll
 
+        sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
         if self.placement.any_offload:   # refused before anything is written
-            self.placement.check_budgets(self.units, self.stage, _itemsize(self.param_dtype),
-                                         _itemsize(self.reduce_dtype), resolve_budgets(config.tiers, self.device))
+            budgets = resolve_budgets(config.tiers, self.device)
+            self.placement.check_budgets(self.units, *sizes, budgets)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
                 self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
-                self._new_shard = store_shards(self.store, self.placement, self.stage, _itemsize(self.param_dtype),
-                                               _itemsize(self.reduce_dtype))
+                self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
             self.update = ShardUpdate(self, config.optimizer)
             self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
                                        self.reshard_after_forward, self.rank, self.zeropp)

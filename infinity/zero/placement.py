@@ -24,6 +24,9 @@ __all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
+# offload.host_resident_bytes auto leaves room for this many of the largest optimizer job (at least half
+# the host budget): the pipeline's lookahead, the job being updated and write-backs in flight
+RESIDENT_RESERVE_JOBS = 4
 
 _OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
 
@@ -56,13 +59,16 @@ class Placement:
     # NVMe-homed gradients wait in host memory unwritten for an update that consumes them during
     # backward (optimizer.overlap_backward), instead of a write now and a read at the step
     defer_grad_writes: bool = False
+    # NVMe-homed chunks kept in host memory for good (``offload.host_resident_bytes``): "auto" or bytes
+    host_resident: object = 0
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward)
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward,
+                   host_resident=off.host_resident_bytes)
 
     @property
     def any_offload(self) -> bool:
@@ -124,6 +130,9 @@ class Placement:
         """
         sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
         chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        # deferred gradients (the update overlaps backward) wait in host memory until their update, and a
+        # unit's updates start once its whole gradient shard is folded: every chunk's gradient at once
+        deferred = self.defer_grad_writes and self.home(TensorClass.GRAD) is Tier.NVME and TensorClass.GRAD in sizes
         homed, worst, worst_unit = 0, 0, None
         for u in units:
             job = 0
@@ -131,13 +140,15 @@ class Placement:
                 if self.home(cls) is Tier.HOST:
                     homed += itemsize * u.shard_numel
                 else:
-                    job += itemsize * min(u.shard_numel, chunk)
+                    job += itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD
+                                       else min(u.shard_numel, chunk))
             if job > worst:
                 worst, worst_unit = job, u.name
         host = homed + worst
         why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
-            (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host; "
-             f"offload.chunk_bytes caps it)" if worst_unit is not None else "")
+            (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host"
+             + ("; its whole gradient shard waits there, the update overlapping backward" if deferred else "")
+             + "; offload.chunk_bytes caps the rest)" if worst_unit is not None else "")
         device, device_why = 0, "no stored parameters gathered"
         if stage == 3 and self.params is not None:
             # a gather pins one chunk of the shard at a time (the whole shard when it is one chunk)
@@ -157,6 +168,68 @@ class Placement:
                 raise ConfigError(f"{key} = {budgets[tier]} bytes ({format_size(budgets[tier])}) is below the "
                                   f"{least} bytes ({format_size(least)}) this model and placement need: {why}. "
                                   f"Set {key} to at least {format_size(least)}, or place less on that tier")
+
+    def resident_room(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
+                      host_bytes: int) -> int:
+        """Host bytes that NVMe-homed chunks may keep for good (``offload.host_resident_bytes``).
+
+        ``auto``: what the host budget holds beyond a working reserve for the step's traffic: the
+        larger of half the budget and :meth:`min_budgets`' host minimum (one job, and with deferred
+        gradients a unit's whole gradient shard) plus ``RESIDENT_RESERVE_JOBS - 1`` more jobs (the
+        pipeline's lookahead and write-backs in flight).
+        An explicit size must leave the minimum free; 0 keeps every chunk on the disk.
+        """
+        if Tier.NVME not in (self.params, self.optimizer):
+            return 0
+        need, _ = self.min_budgets(units, stage, param_itemsize, reduce_itemsize)[Tier.HOST]
+        if self.host_resident != "auto":
+            if self.host_resident and host_bytes - self.host_resident < need:
+                raise ConfigError(
+                    f"offload.host_resident_bytes = {format_size(self.host_resident)} leaves "
+                    f"{format_size(max(0, host_bytes - self.host_resident))} of tiers.host_bytes "
+                    f"({format_size(host_bytes)}) for the step, below the {format_size(need)} it needs; "
+                    f"lower offload.host_resident_bytes or raise tiers.host_bytes")
+            return self.host_resident
+        homed = self._host_homed_bytes(units, stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        job = sum(n for cls, n in self.stored_itemsizes(stage, param_itemsize, reduce_itemsize).items()
+                  if self.home(cls) is not Tier.HOST) * min(chunk, max(u.shard_numel for u in units))
+        reserve = max(need - homed + (RESIDENT_RESERVE_JOBS - 1) * job, host_bytes // 2)
+        return max(0, host_bytes - homed - reserve)
+
+    def host_resident_plan(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
+                           room: int) -> dict:
+        """``{unit_index: frozenset((TensorClass, chunk))}``: the NVMe-homed chunks homed in host memory
+        instead, filling at most ``room`` bytes.
+
+        A resident chunk is never read from or written to the disk again, so the plan takes first what
+        saves the most disk traffic per byte of host memory: parameter chunks (read by the forward and
+        by the backward, written by the step: 3 transfers per byte), then each chunk's optimizer states
+        together (master and moments: read and written once a step, 2 per byte), units in forward order.
+        Gradients are left out: with ``defer_grad_writes`` they never reach the disk anyway.
+        """
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        passes = [(TensorClass.PARAM,)] if self.params is Tier.NVME else []
+        if self.optimizer is Tier.NVME:
+            passes.append(tuple(c for c in _OPTIMIZER_CLASSES if c in sizes))
+        plan: dict = {}
+        for classes in passes:
+            per_element = sum(sizes.get(c, 0) for c in classes)
+            if not per_element:
+                continue
+            for u in units:
+                for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
+                    cost = per_element * (hi - lo)
+                    if cost > room:
+                        return plan
+                    room -= cost
+                    plan.setdefault(u.index, set()).update((cls, c) for cls in classes)
+        return {i: frozenset(s) for i, s in plan.items()}
+
+    def _host_homed_bytes(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        return sum(n * u.shard_numel for cls, n in sizes.items() if self.home(cls) is Tier.HOST for u in units)
 
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}

@@ -87,9 +87,10 @@ class StoreUnitShard(UnitShard):
     """
 
     def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies,
-                 bounds: list | None = None):
+                 bounds: list | None = None, resident: frozenset = frozenset()):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
+        self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
 
@@ -106,12 +107,16 @@ class StoreUnitShard(UnitShard):
             return (store_key(self.unit_index, cls),)
         return tuple(store_key(self.unit_index, cls, c) for c in range(len(self.bounds)))
 
+    def _home(self, cls: TensorClass, chunk: int) -> Tier:
+        """The chunk's home: the class's, or host memory for a chunk kept resident (Placement.host_resident_plan)."""
+        return Tier.HOST if (cls, chunk) in self.resident else self.placement.home(cls)
+
     def _register(self, cls: TensorClass, make, dtype=None) -> None:
         """Register each chunk of ``cls`` (``make(lo, hi)``: its tensor or shape), waiting until home."""
-        keys, home = self._chunk_keys(cls), self.placement.home(cls)
+        keys = self._chunk_keys(cls)
         bounds = self.bounds if self.chunked else [None]
-        futures = [self.store.register(key, make(*(b or (None, None))), dtype=dtype, home=home)
-                   for key, b in zip(keys, bounds)]
+        futures = [self.store.register(key, make(*(b or (None, None))), dtype=dtype, home=self._home(cls, c))
+                   for c, (key, b) in enumerate(zip(keys, bounds))]
         for f in futures:
             self.store.wait(f)
         self._keys[cls] = keys
@@ -215,11 +220,11 @@ class StoreUnitShard(UnitShard):
         self.lent.settle()
         bounds = self.bounds if self.chunked else [(0, tensor.numel())]
         futures = []
-        for key, (lo, hi) in zip(keys, bounds):
+        for c, (key, (lo, hi)) in enumerate(zip(keys, bounds)):
             if key in self.store:
                 self.store.release(key)
             part = tensor if not self.chunked else tensor[lo:hi]
-            futures.append(self.store.register(key, part, home=self.placement.home(cls), copy_async=True))
+            futures.append(self.store.register(key, part, home=self._home(cls, c), copy_async=True))
         return futures[0] if len(futures) == 1 else _all_of(futures)
 
     # ------------------------------------------------------------ the engine's verbs
@@ -330,12 +335,18 @@ class StoreUnitShard(UnitShard):
         super().release()
 
 
-def store_shards(store: TensorStore, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int):
-    """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks;
-    every shard made by one factory shares one :class:`LentCopies`."""
+def store_shards(store: TensorStore, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int,
+                 units: list, budgets: dict):
+    """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, its
+    resident chunks as :meth:`Placement.host_resident_plan` picks them within the host budget
+    (``budgets``: bytes per tier); every shard
+    made by one factory shares one :class:`LentCopies`."""
     lent = LentCopies(store)
     chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
-    return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk))
+    room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
+    plan = placement.host_resident_plan(units, stage, param_itemsize, reduce_itemsize, room)
+    return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
+                                       plan.get(unit.index, frozenset()))
 
 
 def _all_of(futures: list) -> cf.Future:

@@ -1,0 +1,155 @@
+"""``offload.host_resident_bytes``: chunks homed on NVMe kept in host memory for good.
+
+A training step walks every unit in the same order, so an LRU host cache smaller
+than the state hits nothing: each chunk is evicted just before it is needed again,
+and every chunk is read and written once a step whatever the budget. Homing some
+chunks in host memory instead takes their transfers off the disk for good. Where
+a chunk lives must never change the arithmetic, only the bytes the disk moves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import ConfigError
+from infinity.models import GPT, GPTConfig
+from infinity.store import Tier
+from infinity.zero.units import TensorClass
+
+GPT_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=2048, block_size=32)
+CHUNK = 96 * 1024    # bytes of one chunk's stored classes (18 B/element here): 4096 elements
+WRITTEN = (TensorClass.PARAM, TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
+PER_ELEMENT_WRITTEN = 2 + 4 + 4 + 4   # bf16 parameter, fp32 master and moments: each written once a step
+
+
+def _config(path, resident, host="2MiB"):
+    return {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
+            "offload": {"params": "nvme", "grads": "nvme", "optimizer": "nvme", "chunk_bytes": CHUNK,
+                        "host_resident_bytes": resident},
+            "tiers": {"host_bytes": host, "device_bytes": "1MiB", "nvme_path": str(path)},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "overlap_backward": True},
+            "prefetch": {"bytes": 0}}
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**GPT_SHAPE))
+
+
+def _train(model, opt, steps, first=0):
+    engine = infinity.engine_of(model)
+    losses, writes = [], []
+    for step in range(first, first + steps):
+        ids = torch.randint(0, GPT_SHAPE["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        writes.append(engine.stats.last_step["offload"]["moved_bytes"].get("host->nvme", 0))
+    return losses, writes
+
+
+def _params(model):
+    with infinity.engine_of(model).gathered():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _homes(engine) -> dict:
+    """{(unit index, class, chunk): home tier} of every stored chunk."""
+    return {(u.index, cls, c): engine.store.home(key)
+            for u in engine.units for cls in TensorClass for c, key in enumerate(u.shard.keys(cls))}
+
+
+def _run(path, resident, steps=3, host="2MiB"):
+    model, opt = infinity.initialize(_model(), _config(path, resident, host))
+    engine = infinity.engine_of(model)
+    try:
+        losses, writes = _train(model, opt, steps)
+        homes = _homes(engine)
+        nbytes = _nbytes(engine)
+        return losses, writes, _params(model), homes, nbytes, sum(u.shard_numel for u in engine.units)
+    finally:
+        engine.close()
+
+
+def _nbytes(engine) -> dict:
+    """{(unit index, class, chunk): bytes} of every stored chunk."""
+    itemsize = {TensorClass.PARAM: 2, TensorClass.GRAD: 4}   # the rest are fp32 optimizer states
+    return {(u.index, cls, c): itemsize.get(cls, 4) * (hi - lo)
+            for u in engine.units for cls in TensorClass if u.shard.keys(cls)
+            for c, (lo, hi) in enumerate(u.shard.bounds)}
+
+
+def test_resident_chunks_change_the_disk_bytes_not_the_numbers(tmp_path):
+    """512 KiB resident: every parameter chunk first (3 transfers a step per byte), then whole chunks of
+    optimizer states in forward order until the room is full. The run equals the all-on-disk one
+    bitwise, and each step writes exactly the resident chunks' bytes less."""
+    room = 512 * 1024
+    ref_losses, ref_writes, ref_params, ref_homes, _, numel = _run(tmp_path / "disk", 0)
+    losses, writes, params, homes, nbytes, _ = _run(tmp_path / "resident", room)
+
+    assert set(ref_homes.values()) == {Tier.NVME}
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], p) for n, p in ref_params.items())
+
+    resident = {k for k, tier in homes.items() if tier is Tier.HOST}
+    assert {k for k in homes if k[1] is TensorClass.PARAM} <= resident          # parameters first, all of them
+    assert not any(k[1] is TensorClass.GRAD for k in resident)                 # gradients never reach the disk here
+    optimizer = sorted((u, c) for u, cls, c in resident if cls is TensorClass.MASTER)
+    for u, c in optimizer:   # a chunk's master and moments together
+        assert {(u, TensorClass.EXP_AVG, c), (u, TensorClass.EXP_AVG_SQ, c)} <= resident
+    all_chunks = sorted((u, c) for u, cls, c in homes if cls is TensorClass.MASTER)
+    assert optimizer and optimizer == all_chunks[:len(optimizer)] and len(optimizer) < len(all_chunks)
+    used = sum(nbytes[k] for k in resident)
+    nxt = all_chunks[len(optimizer)]
+    next_bytes = sum(nbytes[(nxt[0], cls, nxt[1])] for cls in (TensorClass.MASTER, TensorClass.EXP_AVG,
+                                                                TensorClass.EXP_AVG_SQ))
+    assert used <= room < used + next_bytes                                    # filled greedily, never past it
+
+    assert ref_writes[1:] == [PER_ELEMENT_WRITTEN * numel] * 2, (ref_writes, numel)
+    saved = sum(nbytes[k] for k in resident if k[1] in WRITTEN)
+    assert writes[1:] == [PER_ELEMENT_WRITTEN * numel - saved] * 2, (writes, saved)
+
+
+def test_auto_keeps_what_the_budget_holds_beyond_the_working_room(tmp_path):
+    """auto: nothing on a budget the step needs whole; everything (no disk write at all) when the state
+    fits beside the working room; the numbers stay the all-on-disk run's."""
+    ref_losses, _, ref_params, _, _, _ = _run(tmp_path / "disk", 0, steps=2)
+    # the minimum is the root's whole gradient shard (512 KiB) + one 72 KiB job; with 3 more jobs: 800 KiB
+    _, writes, _, homes, _, _ = _run(tmp_path / "tight", "auto", steps=2, host="800KiB")
+    assert set(homes.values()) == {Tier.NVME} and writes[1] > 0
+    losses, writes, params, homes, _, _ = _run(tmp_path / "roomy", "auto", steps=2, host="16MiB")
+    assert {tier for (_, cls, _), tier in homes.items() if cls is not TensorClass.GRAD} == {Tier.HOST}
+    assert writes == [0, 0]
+    assert losses == ref_losses and all(torch.equal(params[n], p) for n, p in ref_params.items())
+
+
+def test_a_room_that_starves_the_step_is_refused_at_initialize(tmp_path):
+    """An explicit size must leave the step its minimum host budget; the error names the key and sizes."""
+    with pytest.raises(ConfigError, match=r"offload\.host_resident_bytes = 1\.5 ?MiB leaves 512\.0 ?KiB of "
+                                          r"tiers\.host_bytes \(2\.0 ?MiB\) for the step, below the 584\.0 ?KiB"):
+        infinity.initialize(_model(), _config(tmp_path / "swap", "1536KiB"))
+    assert not any(p.is_file() for p in (tmp_path / "swap").rglob("*"))
+
+
+def test_a_checkpoint_moves_between_resident_and_disk_homes(tmp_path):
+    """Saved from an engine with resident chunks, loaded into one with none (and back): training goes on
+    exactly as an uninterrupted run."""
+    ref_losses, _, ref_params, _, _, _ = _run(tmp_path / "ref", 0, steps=4)
+    for first, second, tag in ((512 * 1024, 0, "r2d"), (0, 512 * 1024, "d2r")):
+        model, opt = infinity.initialize(_model(), _config(tmp_path / f"{tag}-a", first))
+        losses, _ = _train(model, opt, 2)
+        infinity.save_checkpoint(tmp_path / f"{tag}-ckpt", model, opt)
+        infinity.engine_of(model).close()
+        model, opt = infinity.initialize(_model(), _config(tmp_path / f"{tag}-b", second))
+        try:
+            infinity.load_checkpoint(tmp_path / f"{tag}-ckpt", model, opt)
+            losses += _train(model, opt, 2, first=2)[0]
+            params = _params(model)
+        finally:
+            infinity.engine_of(model).close()
+        assert losses == ref_losses, tag
+        assert all(torch.equal(params[n], p) for n, p in ref_params.items()), tag
