@@ -85,8 +85,9 @@ def _nbytes(engine) -> dict:
 
 def test_resident_chunks_change_the_disk_bytes_not_the_numbers(tmp_path):
     """512 KiB resident: every parameter chunk first (3 transfers a step per byte), then whole chunks of
-    optimizer states in forward order until the room is full. The run equals the all-on-disk one
-    bitwise, and each step writes exactly the resident chunks' bytes less."""
+    optimizer states, the root unit's first (its update is the step's tail), then the other units in
+    forward order, until the room is full. The run equals the all-on-disk one bitwise, and each step
+    writes exactly the resident chunks' bytes less."""
     room = 512 * 1024
     ref_losses, ref_writes, ref_params, ref_homes, _, numel = _run(tmp_path / "disk", 0)
     losses, writes, params, homes, nbytes, _ = _run(tmp_path / "resident", room)
@@ -101,7 +102,10 @@ def test_resident_chunks_change_the_disk_bytes_not_the_numbers(tmp_path):
     optimizer = sorted((u, c) for u, cls, c in resident if cls is TensorClass.MASTER)
     for u, c in optimizer:   # a chunk's master and moments together
         assert {(u, TensorClass.EXP_AVG, c), (u, TensorClass.EXP_AVG_SQ, c)} <= resident
-    all_chunks = sorted((u, c) for u, cls, c in homes if cls is TensorClass.MASTER)
+    root = max(u for u, _, _ in homes)   # the root unit is the last one
+    all_chunks = sorted((u != root, u, c) for u, cls, c in homes if cls is TensorClass.MASTER)
+    all_chunks = [(u, c) for _, u, c in all_chunks]
+    optimizer = [(u, c) for _, u, c in sorted((u != root, u, c) for u, c in optimizer)]
     assert optimizer and optimizer == all_chunks[:len(optimizer)] and len(optimizer) < len(all_chunks)
     used = sum(nbytes[k] for k in resident)
     nxt = all_chunks[len(optimizer)]

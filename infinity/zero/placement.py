@@ -9,6 +9,12 @@ copies to the tier where they are used (:meth:`Placement.work_tier`).
 Trade-offs: ``host`` frees device memory at the cost of a host<->device copy
 per use; ``nvme`` frees host memory too at the cost of disk bandwidth, which
 the optimizer pipeline and the prefetcher hide as far as the disk allows.
+
+Chunks of an ``nvme`` class may be homed in host memory instead, for good
+(``offload.host_resident_bytes``, :meth:`Placement.host_resident_plan`): the host
+budget beyond the step's working room. An LRU cache of that room would hit
+nothing, since a step walks every unit in the same order and evicts each chunk
+just before it is needed again; a resident chunk is never read or written again.
 """
 
 from __future__ import annotations
@@ -215,7 +221,11 @@ class Placement:
         A resident chunk is never read from or written to the disk again, so the plan takes first what
         saves the most disk traffic per byte of host memory: parameter chunks (read by the forward and
         by the backward, written by the step: 3 transfers per byte), then each chunk's optimizer states
-        together (master and moments: read and written once a step, 2 per byte), units in forward order.
+        together (master and moments: read and written once a step, 2 per byte). Within each, the root
+        unit first, then the others in forward order: the root is gathered first in the forward, before
+        any prefetch can hide its read, and its gradient is final only when backward ends, so its update
+        is the step's exposed tail (with ``optimizer.overlap_backward`` every other unit's is hidden
+        behind the rest of the backward, the least for the units the backward reaches last).
         Gradients are left out: with ``defer_grad_writes`` they never reach the disk anyway.
         """
         chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
@@ -224,11 +234,12 @@ class Placement:
         if self.optimizer is Tier.NVME:
             passes.append(tuple(c for c in _OPTIMIZER_CLASSES if c in sizes))
         plan: dict = {}
+        ordered = sorted(units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
         for classes in passes:
             per_element = sum(sizes.get(c, 0) for c in classes)
             if not per_element:
                 continue
-            for u in units:
+            for u in ordered:
                 for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
                     cost = per_element * (hi - lo)
                     if cost > room:
