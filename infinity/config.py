@@ -251,12 +251,11 @@ class OffloadConfig:
     optimizer: str = _f("none", _choice(*TIERS), "where fp32 master weights and Adam moments live")
     params: str = _f("none", _choice(*TIERS), "where stage-3 parameter shards live between uses")
     grads: str = _f("none", _choice(*TIERS), "where reduced gradient shards wait for the optimizer")
-    chunk_bytes: Any = _f(
-        "auto", _size_or_auto, "cap on the host bytes one optimizer job brings in: a stored unit shard is split into "
+    chunk_bytes: int = _f(
+        256 * 2**20, _size, "cap on the host bytes one optimizer job brings in: a stored unit shard is split into "
         "chunks whose stored classes together (master, moments, gradient, parameter: ~16-18 B/element) fit in it, "
         "each updated as its own job. Smaller bounds the optimizer's host working set (the pipeline holds up to 3 "
-        "jobs) independently of unit size, e.g. a 128M-element embedding; larger makes fewer, bigger disk requests. "
-        "auto = tiers.host_bytes / 16 within [16MiB, 256MiB]")
+        "jobs) independently of unit size, e.g. a 128M-element embedding; larger makes fewer, bigger disk requests")
     host_resident_bytes: Any = _f(
         "auto", _size_or_auto, "host memory in which chunks homed on nvme stay for good, never read from or "
         "written to the disk again (parameters first: 3 transfers a step per byte, then optimizer states: 2); "

@@ -22,20 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
-from infinity.store.budget import resolve_budgets
 from infinity.zero.units import TensorClass
 
 __all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
-# offload.chunk_bytes auto: 1/16 of the host budget within these bounds, so that the step's working room
-# (a few jobs) leaves a small budget room for resident chunks, and large budgets get large disk requests
-AUTO_CHUNK_MIN, AUTO_CHUNK_MAX = 16 * 2**20, 256 * 2**20
 # offload.host_resident_bytes auto leaves room for this many of the largest optimizer job (at least half
 # the host budget): the pipeline's lookahead, the job being updated and write-backs in flight
 RESIDENT_RESERVE_JOBS = 4
@@ -78,12 +72,8 @@ class Placement:
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
-        chunk_bytes = off.chunk_bytes
-        if chunk_bytes == "auto":
-            host_bytes = resolve_budgets(config.tiers, torch.device("cpu"))[Tier.HOST]
-            chunk_bytes = min(AUTO_CHUNK_MAX, max(AUTO_CHUNK_MIN, host_bytes // 16))
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward,
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward,
                    host_resident=off.host_resident_bytes)
 
     @property
