@@ -260,7 +260,8 @@ class OffloadConfig:
         "auto", _size_or_auto, "host memory in which chunks homed on nvme stay for good, never read from or "
         "written to the disk again (parameters first: 3 transfers a step per byte, then optimizer states: 2); "
         "counted in tiers.host_bytes. auto = what tiers.host_bytes holds beyond the step's working room (the "
-        "larger of 4 optimizer jobs and half the budget); 0 = everything placed on nvme stays there")
+        "larger of half the budget and the minimum initialize enforces plus 3 more optimizer jobs); 0 = everything "
+        "placed on nvme stays there")
 
 
 @dataclass(frozen=True)
