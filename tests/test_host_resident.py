@@ -70,6 +70,8 @@ def _run(path, resident, steps=3, host="2MiB"):
         losses, writes = _train(model, opt, steps)
         homes = _homes(engine)
         nbytes = _nbytes(engine)
+        reported = engine.stats.last_step["offload"]["host_resident_bytes"]   # what the step reports
+        assert reported == sum(n for k, n in nbytes.items() if homes[k] is Tier.HOST), reported
         return losses, writes, _params(model), homes, nbytes, sum(u.shard_numel for u in engine.units)
     finally:
         engine.close()

@@ -322,6 +322,7 @@ def child_train(a) -> dict:
         rows.append({"loss": round(loss.item(), 4), "step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1,
                      "optimizer_s": t3 - t2, "disk_read_bytes": io1[0] - io0[0], "disk_write_bytes": io1[1] - io0[1],
                      "moved_bytes": (last.get("offload") or {}).get("moved_bytes", {}),
+                     "host_resident_bytes": (last.get("offload") or {}).get("host_resident_bytes", 0),
                      "foreign_cpu": foreign_share(cpu0, cpu_mark())})
         print(f"[infinity] step {step}{' (warm-up)' if step < a.warmup else ''} loss {rows[-1]['loss']:.4f} "
               f"{t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} step {t3 - t2:.2f}) VmHWM "

@@ -361,6 +361,11 @@ class TensorStore(TransferRunner):
         with self._cond:
             return self._lookup(key, "home").home
 
+    def nbytes(self, key: str) -> int:
+        """The key's tensor size in bytes (what each of its copies holds)."""
+        with self._cond:
+            return self._lookup(key, "nbytes").nbytes
+
     def stats(self) -> dict:
         """Counters, JSON-ready. Tier bytes are reserved bytes (host: 4096-rounded pool buffers)."""
         with self._cond:

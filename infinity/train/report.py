@@ -115,7 +115,7 @@ def engine_metrics(engine, step_s: float) -> dict:
     if "sent_bytes" in coll:
         out["sent_bytes"] = sum(coll["sent_bytes"].values())
     offload = last.get("offload") or {}
-    for key in ("io_wait_s", "adam_s", "swap_in_wait_s", "swap_out_wait_s", "peak_bytes"):
+    for key in ("io_wait_s", "adam_s", "swap_in_wait_s", "swap_out_wait_s", "peak_bytes", "host_resident_bytes"):
         if key in offload:
             out[key] = offload[key]
     if "moved_bytes" in offload:

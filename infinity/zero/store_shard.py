@@ -319,6 +319,10 @@ class StoreUnitShard(UnitShard):
     def settle(self) -> None:
         self.lent.settle()
 
+    def resident_bytes(self) -> int:
+        """Bytes of this shard's chunks homed in host memory instead of on NVMe (Placement.host_resident_plan)."""
+        return sum(self.store.nbytes(self._keys[cls][c]) for cls, c in self.resident if cls in self._keys)
+
     def write_back_dirty(self) -> list:
         futures = []
         for key in {k for keys in self._keys.values() for k in keys}:

@@ -56,6 +56,7 @@ class ShardUpdate:
         self._owner: dict = {}   # job name -> its unit
         self._flushing = False
         self._store_mark: dict | None = None
+        self._resident: int | None = None
 
     def close(self) -> None:
         """Stop the pipeline (a step still running is dropped) and CPU Adam's threads."""
@@ -220,11 +221,18 @@ class ShardUpdate:
             "live_peak_bytes": last_step["live_peak_bytes"],   # gathered params, capped
             "prefetch_trace": e.prefetcher.state.value,
             "overlapped": False,
+            "host_resident_bytes": self._host_resident_bytes(),
         }
         if self.overlap is not None:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
         self.last_stats = {}
         self._store_mark = now
+
+    def _host_resident_bytes(self) -> int:
+        """NVMe-placed chunks homed in host memory (``offload.host_resident_bytes``): fixed at initialize."""
+        if self._resident is None:
+            self._resident = sum(u.shard.resident_bytes() for u in self.engine.units)
+        return self._resident
 
     def _store_counters(self) -> dict:
         s = self.engine.store.stats()
