@@ -134,22 +134,8 @@ class Placement:
         Device (stage 3, parameters stored): a unit's all-gather reads a device copy of its shard,
         so the largest parameter shard must fit.
         """
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        homed, worst, worst_unit, deferred, _ = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
         chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
-        # deferred gradients (the update overlaps backward) wait in host memory until their update, and a
-        # unit's updates start once its whole gradient shard is folded: every chunk's gradient at once
-        deferred = self.defer_grad_writes and self.home(TensorClass.GRAD) is Tier.NVME and TensorClass.GRAD in sizes
-        homed, worst, worst_unit = 0, 0, None
-        for u in units:
-            job = 0
-            for cls, itemsize in sizes.items():
-                if self.home(cls) is Tier.HOST:
-                    homed += itemsize * u.shard_numel
-                else:
-                    job += itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD
-                                       else min(u.shard_numel, chunk))
-            if job > worst:
-                worst, worst_unit = job, u.name
         host = homed + worst
         why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
             (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host"
@@ -162,6 +148,31 @@ class Placement:
             device = min(largest.shard_numel, chunk) * param_itemsize
             device_why = f"the all-gather of unit {largest.name!r} reads {device} bytes of its parameter shard there"
         return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
+
+    def _host_working_set(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> tuple:
+        """``(homed, worst, worst_unit, deferred, chunk_job)``: bytes of host-homed shards; the largest
+        optimizer job's host bytes and its unit's name; whether gradient writes are deferred; and the
+        largest job's bytes of one chunk, without a deferred unit's whole gradient.
+
+        Deferred gradients (the update overlaps backward) wait in host memory until their update, and a
+        unit's updates start once its whole gradient shard is folded: every chunk's gradient at once.
+        """
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        deferred = self.defer_grad_writes and self.home(TensorClass.GRAD) is Tier.NVME and TensorClass.GRAD in sizes
+        homed, worst, worst_unit, chunk_job = 0, 0, None, 0
+        for u in units:
+            job = one_chunk = 0
+            for cls, itemsize in sizes.items():
+                if self.home(cls) is Tier.HOST:
+                    homed += itemsize * u.shard_numel
+                    continue
+                one_chunk += itemsize * min(u.shard_numel, chunk)
+                job += itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD else min(u.shard_numel, chunk))
+            chunk_job = max(chunk_job, one_chunk)
+            if job > worst:
+                worst, worst_unit = job, u.name
+        return homed, worst, worst_unit, deferred, chunk_job
 
     def check_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
                       budgets: dict) -> None:
@@ -187,7 +198,8 @@ class Placement:
         """
         if Tier.NVME not in (self.params, self.optimizer):
             return 0
-        need, _ = self.min_budgets(units, stage, param_itemsize, reduce_itemsize)[Tier.HOST]
+        homed, worst, _, _, chunk_job = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
+        need = homed + worst   # min_budgets' host minimum
         if self.host_resident != "auto":
             if self.host_resident and host_bytes - self.host_resident < need:
                 raise ConfigError(
@@ -196,11 +208,7 @@ class Placement:
                     f"({format_size(host_bytes)}) for the step, below the {format_size(need)} it needs; "
                     f"lower offload.host_resident_bytes or raise tiers.host_bytes")
             return self.host_resident
-        homed = self._host_homed_bytes(units, stage, param_itemsize, reduce_itemsize)
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
-        job = sum(n for cls, n in self.stored_itemsizes(stage, param_itemsize, reduce_itemsize).items()
-                  if self.home(cls) is not Tier.HOST) * min(chunk, max(u.shard_numel for u in units))
-        reserve = max(need - homed + (RESIDENT_RESERVE_JOBS - 1) * job, host_bytes // 2)
+        reserve = max(worst + (RESIDENT_RESERVE_JOBS - 1) * chunk_job, host_bytes // 2)
         return max(0, host_bytes - homed - reserve)
 
     def host_resident_plan(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
@@ -223,24 +231,17 @@ class Placement:
         passes = [(TensorClass.PARAM,)] if self.params is Tier.NVME else []
         if self.optimizer is Tier.NVME:
             passes.append(tuple(c for c in _OPTIMIZER_CLASSES if c in sizes))
-        plan: dict = {}
         ordered = sorted(units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
-        for classes in passes:
-            per_element = sum(sizes.get(c, 0) for c in classes)
-            if not per_element:
-                continue
-            for u in ordered:
-                for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
-                    cost = per_element * (hi - lo)
-                    if cost > room:
-                        return plan
-                    room -= cost
-                    plan.setdefault(u.index, set()).update((cls, c) for cls in classes)
+        candidates = [(u.index, c, classes, sum(sizes.get(cls, 0) for cls in classes) * (hi - lo))
+                      for classes in passes for u in ordered
+                      for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk))]
+        plan: dict = {}
+        for index, c, classes, cost in candidates:
+            if cost > room:
+                break   # greedy in order of value: nothing later is taken ahead of what did not fit
+            room -= cost
+            plan.setdefault(index, set()).update((cls, c) for cls in classes)
         return {i: frozenset(s) for i, s in plan.items()}
-
-    def _host_homed_bytes(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
-        return sum(n * u.shard_numel for cls, n in sizes.items() if self.home(cls) is Tier.HOST for u in units)
 
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}

@@ -341,10 +341,9 @@ class StoreUnitShard(UnitShard):
 
 def store_shards(store: TensorStore, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int,
                  units: list, budgets: dict):
-    """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, its
-    resident chunks as :meth:`Placement.host_resident_plan` picks them within the host budget
-    (``budgets``: bytes per tier); every shard
-    made by one factory shares one :class:`LentCopies`."""
+    """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
+    the resident chunks :meth:`Placement.host_resident_plan` picks within the host budget (``budgets``:
+    bytes per tier); every shard made by one factory shares one :class:`LentCopies`."""
     lent = LentCopies(store)
     chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
     room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
