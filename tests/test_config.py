@@ -91,6 +91,8 @@ def test_unknown_section_lists_valid_sections():
         ({"optimizer": {"lr": -1}}, r"optimizer\.lr: expected a number >= 0"),
         ({"optimizer": {"eps": 0}}, r"optimizer\.eps: expected a number > 0"),
         ({"offload": {"optimizer": "disk"}}, r"offload\.optimizer: expected one of \['none', 'host', 'nvme'\]"),
+        ({"offload": {"host_resident_bytes": "lots"}}, r"offload\.host_resident_bytes: cannot read 'lots' as a size"),
+        ({"offload": {"host_resident_bytes": -1}}, r"offload\.host_resident_bytes: size must be >= 0"),
         ({"io": {"queue_depth": 0}}, r"io\.queue_depth: expected an integer >= 1"),
         ({"io": {"checksum": "yes"}}, r"io\.checksum: expected true or false"),
         ({"io": {"block_bytes": 1000}}, r"io\.block_bytes: must be a multiple of 4096"),
