@@ -16,6 +16,8 @@ import infinity
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
 from infinity.store import Tier
+from infinity.store.residency import Residency
+from infinity.zero.placement import Placement
 from infinity.zero.units import TensorClass
 
 GPT_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=2048, block_size=32)
@@ -159,3 +161,41 @@ def test_a_checkpoint_moves_between_resident_and_disk_homes(tmp_path):
             infinity.engine_of(model).close()
         assert losses == ref_losses, tag
         assert all(torch.equal(params[n], p) for n, p in ref_params.items()), tag
+
+
+def _stream_run(path, host, steps=3):
+    """Losses, parameters, per-step disk reads and the engine's host state after ``steps`` (resident 0)."""
+    model, opt = infinity.initialize(_model(), _config(path, 0, host))
+    engine = infinity.engine_of(model)
+    try:
+        losses, reads = [], []
+        for step in range(steps):
+            losses += _train(model, opt, 1, first=step)[0]
+            reads.append(engine.stats.last_step["offload"]["moved_bytes"].get("nvme->host", 0))
+        states = [key for u in engine.units for cls in (TensorClass.MASTER, TensorClass.EXP_AVG,
+                                                        TensorClass.EXP_AVG_SQ) for key in u.shard.keys(cls)]
+        cached = [key for key in states if engine.store.residency(key)[Tier.HOST] is not Residency.ABSENT]
+        pool = engine.store.pool.stats()
+        return losses, _params(model), reads, len(states), cached, pool
+    finally:
+        engine.close()
+
+
+def test_streamed_states_keep_no_host_copy_and_read_no_more(tmp_path, monkeypatch):
+    """Optimizer states larger than the host budget are read and written once a step whatever is cached,
+    so their host copies are freed once written home: none is left after a step, the pool holds no idle
+    buffer, and the step reads no more than with the copies kept (here less: kept copies pushed out
+    parameter copies the next pass would have found), with the same numbers. On a
+    budget that holds them all they stay cached, and a step reads none of them again."""
+    losses, params, reads, n_states, cached, pool = _stream_run(tmp_path / "stream", "2MiB")
+    assert n_states > 0 and cached == [] and pool["cached_bytes"] == 0
+    with monkeypatch.context() as m:
+        m.setattr(Placement, "streams_optimizer", lambda *a, **k: False)
+        ref_losses, ref_params, ref_reads, _, ref_cached, ref_pool = _stream_run(tmp_path / "kept", "2MiB")
+    assert ref_cached and ref_pool["cached_bytes"] + ref_pool["in_use_bytes"] > pool["in_use_bytes"]
+    assert losses == ref_losses and all(torch.equal(params[n], p) for n, p in ref_params.items())
+    assert all(r <= k for r, k in zip(reads, ref_reads)) and reads[-1] > 0, (reads, ref_reads)
+
+    roomy_losses, _, roomy_reads, _, roomy_cached, _ = _stream_run(tmp_path / "roomy", "16MiB")
+    assert len(roomy_cached) == n_states and roomy_losses == losses
+    assert roomy_reads[-1] < reads[-1]

@@ -706,6 +706,32 @@ def test_host_pool_reuses_aligned_buffers_within_capacity():
     assert pool.trim() == st_["cached_bytes"] + 2 * 4096 and pool.stats()["cached_bytes"] == 0
 
 
+def test_host_pool_end_window_gives_back_what_the_step_no_longer_holds():
+    """A pool that filled its budget once gives it back at the window's end: unpinned, every cached
+    buffer; pinned (costly to make), down to the most the window had in use at once."""
+    pool = HostBufferPool(8 * 4096)
+    bufs = [pool.acquire(4096) for _ in range(6)]                    # a first step fills the budget
+    for b in bufs:
+        pool.release(b)
+    assert pool.stats()["cached_bytes"] == 6 * 4096
+    assert pool.end_window() == 6 * 4096 and pool.stats()["cached_bytes"] == 0
+    held = pool.acquire(4096)                                        # in use across the window's end
+    pool.release(pool.acquire(4096))
+    assert pool.end_window() == 4096 and pool.stats()["in_use_bytes"] == 4096
+
+    pinned = HostBufferPool(8 * 4096)
+    pinned.pin = True   # the keep rule only (pinning itself needs CUDA): buffers allocated unpinned
+    two = [pinned.acquire(4096), pinned.acquire(2 * 4096)]           # 3 pages in use at once
+    for b in two:
+        pinned.release(b)
+    pinned.release(pinned.acquire(3 * 4096))                         # 3 more: 6 pages allocated
+    assert pinned.stats()["cached_bytes"] == 6 * 4096
+    assert pinned.end_window() == 3 * 4096                           # oldest first, down to the 3 at once
+    assert pinned.stats()["cached_bytes"] == 3 * 4096
+    assert pinned.end_window() == 3 * 4096                           # a window that used nothing: all go
+    pool.release(held)
+
+
 def test_peak_bytes_per_window(tmp_path):
     """take_peak_bytes: each tier's most bytes since the last call (host: the pool, cached buffers too);
     the next window starts from what is held then, whatever the all-time peak was."""

@@ -70,6 +70,8 @@ class ShardJob:
     ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
     ``discard`` names store keys whose host copy is dropped unwritten once the update is done
     (a consumed gradient: writing it home would be wasted I/O).
+    ``drop`` names written store keys whose host copy is dropped once it is home (evicted, not
+    cached): states streamed through a host budget too small to keep them until their next use.
     """
 
     name: str
@@ -82,6 +84,7 @@ class ShardJob:
     on_done: Callable | None = None
     grad_scale: float = 1.0
     discard: tuple = ()
+    drop: tuple = ()
     _keys: list = field(default_factory=list, repr=False)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
@@ -475,7 +478,8 @@ class AdamPipeline:
                 self._held.pop(key, None)
             if key in written and self.store.home(key) is not Tier.HOST:
                 t0 = time.perf_counter()
-                f = self.store.write_back(key)
+                # evict writes the new bytes home, then frees the host copy (its buffer is reused at once)
+                f = self.store.evict(key, Tier.HOST) if key in job.drop else self.store.write_back(key)
                 if self.tracer.recording:
                     f.add_done_callback(lambda _f, k=key, t0=t0: self.tracer.add(
                         f"write {k}", t0, time.perf_counter(), lane="swap-out"))

@@ -5,7 +5,14 @@ page by page), and a training step asks for the same shard sizes again and
 again, so freed buffers are kept and handed out again to a request of the same
 rounded size. The pool never holds more than ``capacity_bytes`` in total
 (buffers in use plus cached free ones): when a new size does not fit, cached
-buffers are freed, oldest first.
+buffers are freed, oldest first. And at the end of each window (a training
+step, :meth:`end_window`) the cache is cut down: a pool that only gave memory
+back under pressure would keep its whole budget as RSS for good once it had
+filled (say while the first step caches what it reads, or as shards of several
+sizes pass through), though a step reuses far less. Unpinned buffers are all
+freed then (on the next step's first use of a size, the read into it faults its
+pages in, on an I/O thread); pinned ones, costly to make, are kept up to the
+most the window had in use at once.
 
 Every buffer is 4096-aligned (``infinity.io.aligned_empty``) so it can be the
 target of an O_DIRECT read, and its size is rounded up to 4096; the rounded
@@ -42,6 +49,7 @@ class HostBufferPool:
         self.cached_bytes = 0
         self.peak_allocated_bytes = 0
         self.window_peak_bytes = 0            # the most allocated since the last take_window_peak()
+        self.window_in_use_peak = 0           # the most in use at once since the last end_window()
         self.hits = 0                         # acquires served from the cache
         self.misses = 0                       # acquires that allocated
 
@@ -59,6 +67,7 @@ class HostBufferPool:
                     buf = self._free.pop(i)
                     self.cached_bytes -= size
                     self.in_use_bytes += size
+                    self.window_in_use_peak = max(self.window_in_use_peak, self.in_use_bytes)
                     self.hits += 1
                     return buf
             if self.in_use_bytes + size > self.capacity_bytes:
@@ -68,6 +77,7 @@ class HostBufferPool:
             while self._free and self.in_use_bytes + self.cached_bytes + size > self.capacity_bytes:
                 self.cached_bytes -= self._free.pop(0).numel()
             self.in_use_bytes += size
+            self.window_in_use_peak = max(self.window_in_use_peak, self.in_use_bytes)
             self.misses += 1
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.in_use_bytes + self.cached_bytes)
             self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes + self.cached_bytes)
@@ -94,6 +104,20 @@ class HostBufferPool:
             freed_bytes = self.cached_bytes
             self._free.clear()
             self.cached_bytes = 0
+        return freed_bytes
+
+    def end_window(self) -> int:
+        """End a window (module doc): free cached buffers, oldest first, until the pool holds no more
+        than what is in use now (unpinned) or the most it had in use at once during the window
+        (pinned); returns the bytes freed."""
+        with self._lock:
+            keep = self.window_in_use_peak if self.pin else self.in_use_bytes
+            freed_bytes = 0
+            while self._free and self.in_use_bytes + self.cached_bytes > keep:
+                size = self._free.pop(0).numel()
+                self.cached_bytes -= size
+                freed_bytes += size
+            self.window_in_use_peak = self.in_use_bytes
         return freed_bytes
 
     def take_window_peak(self) -> int:

@@ -384,6 +384,11 @@ class TensorStore(TransferRunner):
         out["io"] = extents.stats() if extents is not None else None
         return out
 
+    def trim_host_buffers(self) -> int:
+        """Free host buffers cached for reuse (:meth:`HostBufferPool.end_window`; a training step calls
+        this once per step, so a budget filled once does not stay RSS for good). Returns the bytes freed."""
+        return self.pool.end_window()
+
     def take_peak_bytes(self) -> dict:
         """Per tier, the most bytes held since the last call (a window: one training step); the next
         window starts from what is held now. ``host`` is the host pool's buffers, in use and cached

@@ -26,7 +26,7 @@ from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
 from infinity.zero.units import TensorClass
 
-__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL"]
+__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
@@ -34,7 +34,7 @@ CHUNK_ALIGN_NUMEL = 4096
 # the host budget): the pipeline's lookahead, the job being updated and write-backs in flight
 RESIDENT_RESERVE_JOBS = 4
 
-_OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
+OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
 
 
 def store_key(unit_index: int, cls: TensorClass, chunk: int | None = None) -> str:
@@ -230,7 +230,7 @@ class Placement:
         sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
         passes = [(TensorClass.PARAM,)] if self.params is Tier.NVME else []
         if self.optimizer is Tier.NVME:
-            passes.append(tuple(c for c in _OPTIMIZER_CLASSES if c in sizes))
+            passes.append(tuple(c for c in OPTIMIZER_CLASSES if c in sizes))
         ordered = sorted(units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
         candidates = [(u.index, c, classes, sum(sizes.get(cls, 0) for cls in classes) * (hi - lo))
                       for classes in passes for u in ordered
@@ -242,6 +242,32 @@ class Placement:
             room -= cost
             plan.setdefault(index, set()).update((cls, c) for cls in classes)
         return {i: frozenset(s) for i, s in plan.items()}
+
+    def streams_optimizer(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
+                          plan: dict, host_bytes: int) -> bool:
+        """Whether NVMe-homed optimizer states are streamed: each chunk's host copy freed once its
+        update is written home, instead of kept as a clean cached copy.
+
+        A step reads and writes every chunk's states once, in the same order each step, so an LRU
+        cache smaller than those states evicts each copy before its next use: the copies kept
+        would only fill the host budget (and RSS) with bytes never read again. That is the case
+        when the states not resident (``plan``) outweigh the host budget less the resident bytes;
+        below that, the cache keeps them from one step to the next and they stay cached.
+        """
+        if self.optimizer is not Tier.NVME:
+            return False
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        resident = streamed = 0
+        for u in units:
+            kept = plan.get(u.index, frozenset())
+            for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
+                for cls, itemsize in sizes.items():
+                    if (cls, c) in kept:
+                        resident += itemsize * (hi - lo)
+                    elif self.home(cls) is Tier.NVME and cls in OPTIMIZER_CLASSES:
+                        streamed += itemsize * (hi - lo)
+        return streamed > host_bytes - resident
 
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}

@@ -40,7 +40,7 @@ import threading
 import torch
 
 from infinity.store import BudgetError, TensorStore, Tier
-from infinity.zero.placement import Placement, chunk_bounds, store_key
+from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
 __all__ = ["StoreUnitShard", "LentCopies", "store_shards"]
@@ -87,10 +87,11 @@ class StoreUnitShard(UnitShard):
     """
 
     def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies,
-                 bounds: list | None = None, resident: frozenset = frozenset()):
+                 bounds: list | None = None, resident: frozenset = frozenset(), stream_states: bool = False):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
         self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
+        self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
 
@@ -120,6 +121,11 @@ class StoreUnitShard(UnitShard):
         for f in futures:
             self.store.wait(f)
         self._keys[cls] = keys
+        # Registering an NVMe-homed key stages it through a host copy, which would stay cached: not for a
+        # gradient (its first fold overwrites it unread) nor for streamed states (evicted before their use)
+        for c, key in enumerate(keys):
+            if (cls is TensorClass.GRAD and self._home(cls, c) is Tier.NVME) or key in self.dropped_after_update(c):
+                self.store.wait(self.store.evict(key, Tier.HOST))
 
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
         """Memory classes keep ``tensor``; stored ones copy it into new keys (waits until home)."""
@@ -304,6 +310,17 @@ class StoreUnitShard(UnitShard):
             return ()
         return (keys[chunk],)
 
+    def dropped_after_update(self, chunk: int = 0) -> tuple:
+        """With ``stream_states``: the chunk's NVMe-homed optimizer-state keys, whose host copies are
+        freed once written home (their next use is a step away, past what the host budget can cache).
+        A master that is the parameter itself is kept: the next forward reads it."""
+        if not self.stream_states:
+            return ()
+        param = set(self._keys.get(TensorClass.PARAM, ()))
+        return tuple(key for cls in OPTIMIZER_CLASSES if cls in self._keys
+                     for key in [self._keys[cls][chunk]]
+                     if self._home(cls, chunk) is Tier.NVME and key not in param)
+
     def job_field(self, cls: TensorClass, chunk: int = 0):
         """Chunk ``chunk``'s store key for a stored class; the in-memory tensor (its chunk's slice
         when chunked) otherwise."""
@@ -343,13 +360,15 @@ def store_shards(store: TensorStore, placement: Placement, stage: int, param_ite
                  units: list, budgets: dict):
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
     the resident chunks :meth:`Placement.host_resident_plan` picks within the host budget (``budgets``:
-    bytes per tier); every shard made by one factory shares one :class:`LentCopies`."""
+    bytes per tier), streaming the optimizer states when :meth:`Placement.streams_optimizer` says so;
+    every shard made by one factory shares one :class:`LentCopies`."""
     lent = LentCopies(store)
     chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
     room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
     plan = placement.host_resident_plan(units, stage, param_itemsize, reduce_itemsize, room)
+    stream = placement.streams_optimizer(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
     return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
-                                       plan.get(unit.index, frozenset()))
+                                       plan.get(unit.index, frozenset()), stream)
 
 
 def _all_of(futures: list) -> cf.Future:

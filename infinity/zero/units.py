@@ -260,6 +260,10 @@ class UnitShard:
         """Store keys of chunk ``chunk`` whose newest bytes are dead once its update is done (none here)."""
         return ()
 
+    def dropped_after_update(self, chunk: int = 0) -> tuple:
+        """Store keys of chunk ``chunk`` whose host copy is freed once written home (none here)."""
+        return ()
+
     def settle(self) -> None:
         """Finish what earlier ``get`` calls lent out (a store-backed shard writes it home)."""
 

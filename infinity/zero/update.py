@@ -121,7 +121,8 @@ class ShardUpdate:
                 s.job_field(TensorClass.EXP_AVG_SQ, c), s.job_field(TensorClass.GRAD, c),
                 None if alias else s.job_field(TensorClass.PARAM, c),
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
-                on_done, grad_scale=e.grads.multiplier, discard=s.consumed_after_update(c)))
+                on_done, grad_scale=e.grads.multiplier, discard=s.consumed_after_update(c),
+                drop=s.dropped_after_update(c)))
             self._owner[jobs[-1].name] = unit
         return jobs
 
@@ -227,6 +228,7 @@ class ShardUpdate:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
         self.last_stats = {}
         self._store_mark = now
+        e.store.trim_host_buffers()   # buffers cached past what the step held at once leave RSS
 
     def _host_resident_bytes(self) -> int:
         """NVMe-placed chunks homed in host memory (``offload.host_resident_bytes``): fixed at initialize."""
