@@ -336,7 +336,7 @@ def measure_nvme(directory: str, point_bytes: int, quick: bool, direct: bool,
             "mode": "direct" if direct else "buffered",
             "baseline": "plain os.pwritev/os.preadv loop over 4096-aligned buffers, same directory, "
                         "same block size and thread count, writes include fdatasync, no checksums "
-                        "(the engine rows compute CRC-32)",
+                        "(the engine rows compute CRC-32C)",
             "rows": [{"block_bytes": b, "threads": t, "read_gbps": r, "write_gbps": w}
                      for (b, t), (w, r) in sorted(raw.items())],
         },

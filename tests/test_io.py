@@ -8,7 +8,6 @@ import os
 import random
 import subprocess
 import threading
-import zlib
 from concurrent.futures import wait
 
 import pytest
@@ -20,7 +19,7 @@ from infinity.config import IOConfig
 from infinity.io import (ALIGN_BYTES, ChecksumError, ExtentFile, IOEngine, SwapIOError, Syscalls,
                          aligned_empty, probe_direct_io)
 from infinity.io.allocator import ExtentAllocator
-from infinity.io.checksum import crc32_combine
+from infinity.io.checksum import crc32c, crc32c_combine
 from infinity.io.syscalls import O_DIRECT
 
 BLOCK = 64 * 1024  # small pieces so that modest tensors span several pieces and threads
@@ -96,12 +95,13 @@ def test_aligned_empty_is_aligned_and_sized(nbytes, pin):
         aligned_empty(-1)
 
 
-def test_crc32_combine_matches_zlib_over_concatenation():
+def test_crc32c_is_castagnoli_and_combines_over_concatenation():
+    assert crc32c(b"123456789") == 0xE3069283   # CRC-32C's published check value
     rng = random.Random(0)
     for _ in range(200):
         a = rng.randbytes(rng.randint(0, 5000))
         b = rng.randbytes(rng.randint(0, 70000))
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+        assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
 
 
 def test_allocator_first_fit_coalesces_and_rejects_double_free():
@@ -175,6 +175,8 @@ def test_requests_split_into_blocks_with_bounded_depth(tmp_path, threads, queue_
         t = torch.randn(12 * BLOCK // 4 + 3)  # 12 full pieces and a 12-byte tail
         f.write("k", t).result()
         assert sys_.calls == 13
+        # the pieces' CRCs, taken on different threads, combine into the whole tensor's
+        assert f._table["k"].crc32c == crc32c(t.numpy().tobytes())
         assert sys_.max_active == expected_depth
         out = torch.empty_like(t)
         f.read("k", out).result()

@@ -12,8 +12,8 @@ length is not 4096-aligned goes through the worker's own aligned staging block
 (a copy, padded with zeros to 4096 on write); aligned pieces go straight from the
 caller's memory. Memory cost: one ``block_bytes`` staging buffer per worker.
 
-With ``checksum`` on, each worker CRC-32s its piece (``zlib.crc32`` releases the
-GIL) and the request's CRC is combined from the pieces' in order. The request's
+With ``checksum`` on, each worker CRC-32Cs its piece (:mod:`infinity.io.checksum`:
+the CPU's CRC instruction, GIL released) and the request's CRC is combined from the pieces' in order. The request's
 :class:`~concurrent.futures.Future` resolves only after every piece has finished,
 so the caller's tensor is never touched after its future is done.
 """
@@ -26,14 +26,13 @@ import errno as errno_codes
 import queue
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 
 import torch
 
 from infinity.config import IOConfig
 from infinity.io.buffers import ALIGN_BYTES, aligned_empty, round_up, tensor_bytes_view
-from infinity.io.checksum import crc32_combine
+from infinity.io.checksum import crc32c, crc32c_combine
 from infinity.io.errors import SwapIOError
 from infinity.io.syscalls import Syscalls
 
@@ -122,7 +121,7 @@ class IOEngine:
                *, direct: bool, checksum: bool) -> Future:
         """Move all of ``tensor``'s bytes to/from ``fd`` at ``file_offset``.
 
-        Returns a Future of the CRC-32 of those bytes (None when ``checksum`` is off);
+        Returns a Future of the CRC-32C of those bytes (None when ``checksum`` is off);
         it fails with :class:`SwapIOError` on any OS error. In direct mode
         ``file_offset`` must be 4096-aligned and the file must extend to
         ``round_up(nbytes, 4096)`` past it (the tail is read and written padded).
@@ -139,7 +138,7 @@ class IOEngine:
         with self._stats_lock:
             self._counters["read_requests" if op is IOOp.READ else "write_requests"] += 1
         if pieces == 0:
-            req.future.set_result(0 if checksum else None)  # CRC-32 of no bytes is 0
+            req.future.set_result(0 if checksum else None)  # CRC-32C of no bytes is 0
             return req.future
         self._begin_busy()
         for index in range(pieces):
@@ -203,7 +202,7 @@ class IOEngine:
         if not req.checksum:
             return 0
         t0 = time.perf_counter()
-        crc = zlib.crc32(view)
+        crc = crc32c(view)
         dt = time.perf_counter() - t0
         with self._stats_lock:
             self._counters["checksum_s"] += dt
@@ -260,7 +259,7 @@ class IOEngine:
         if req.checksum:
             result = req.crcs[0]
             for i in range(1, len(req.crcs)):
-                result = crc32_combine(result, req.crcs[i], min(self.block_bytes, req.nbytes - i * self.block_bytes))
+                result = crc32c_combine(result, req.crcs[i], min(self.block_bytes, req.nbytes - i * self.block_bytes))
         req.future.set_result(result)
 
     # ------------------------------------------------------------ accounting
@@ -280,7 +279,7 @@ class IOEngine:
     def stats(self) -> dict:
         """Totals since start: bytes_read, bytes_written, read_requests, write_requests,
         failed_requests, busy_s (wall seconds with at least one request in flight),
-        checksum_s (worker seconds spent in CRC-32, summed over threads), and the knobs."""
+        checksum_s (worker seconds spent in CRC-32C, summed over threads), and the knobs."""
         with self._stats_lock:
             out = dict(self._counters)
             if self._inflight:

@@ -65,7 +65,7 @@ class SwapIOError(OSError):
 
 
 class ChecksumError(SwapIOError):
-    """A stored extent read back with a different CRC-32 than it was written with.
+    """A stored extent read back with a different CRC-32C than it was written with.
 
     A subclass of :class:`SwapIOError` (errno ``EIO``, as the kernel reports media
     corruption) so that code treating a failed read as a lost copy handles it too.
@@ -80,7 +80,7 @@ class ChecksumError(SwapIOError):
         self.actual = actual
         super().__init__(
             errno_codes.EIO, "read", path, nbytes,
-            f"checksum mismatch for key {key!r} at offset {offset}: stored crc32 {expected:#010x}, "
+            f"checksum mismatch for key {key!r} at offset {offset}: stored crc32c {expected:#010x}, "
             f"read {actual:#010x}; the swap file is corrupt")
 
     def __reduce__(self):
