@@ -13,8 +13,8 @@ length is not 4096-aligned goes through the worker's own aligned staging block
 caller's memory. Memory cost: one ``block_bytes`` staging buffer per worker.
 
 With ``checksum`` on, each worker CRC-32Cs its piece (:mod:`infinity.io.checksum`:
-the CPU's CRC instruction, GIL released) and the request's CRC is combined from the pieces' in order. The request's
-:class:`~concurrent.futures.Future` resolves only after every piece has finished,
+the CPU's CRC instruction, GIL released) and the request's CRC is combined from
+the pieces' in order. The request's :class:`~concurrent.futures.Future` resolves only after every piece has finished,
 so the caller's tensor is never touched after its future is done.
 """
 

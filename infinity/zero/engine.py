@@ -369,7 +369,7 @@ class ZeroEngine:
             self.stats.last_step["collectives_world"] = self.world_coll.counters.snapshot()
             self.tp.coll.counters.reset()
             self.world_coll.counters.reset()
-        self.update.step_stats(self.stats.last_step)
+        self.update.end_step(self.stats.last_step)
         self.memory.end_step()
         self.tracer.end_step()
         self.tracer.begin_step()

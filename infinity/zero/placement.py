@@ -251,23 +251,24 @@ class Placement:
         A step reads and writes every chunk's states once, in the same order each step, so an LRU
         cache smaller than those states evicts each copy before its next use: the copies kept
         would only fill the host budget (and RSS) with bytes never read again. That is the case
-        when the states not resident (``plan``) outweigh the host budget less the resident bytes;
-        below that, the cache keeps them from one step to the next and they stay cached.
+        when the states not resident (``plan``) outweigh the host budget less what is held there for
+        good (resident chunks, host-homed classes); below that, the cache keeps them from one step to
+        the next and they stay cached.
         """
         if self.optimizer is not Tier.NVME:
             return False
         chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
         sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
-        resident = streamed = 0
+        held = streamed = 0
         for u in units:
             kept = plan.get(u.index, frozenset())
             for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
                 for cls, itemsize in sizes.items():
-                    if (cls, c) in kept:
-                        resident += itemsize * (hi - lo)
-                    elif self.home(cls) is Tier.NVME and cls in OPTIMIZER_CLASSES:
+                    if (cls, c) in kept or self.home(cls) is Tier.HOST:
+                        held += itemsize * (hi - lo)
+                    elif cls in OPTIMIZER_CLASSES:   # homed on NVMe
                         streamed += itemsize * (hi - lo)
-        return streamed > host_bytes - resident
+        return streamed > host_bytes - held
 
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}

@@ -124,7 +124,7 @@ class StoreUnitShard(UnitShard):
         # Registering an NVMe-homed key stages it through a host copy, which would stay cached: not for a
         # gradient (its first fold overwrites it unread) nor for streamed states (evicted before their use)
         for c, key in enumerate(keys):
-            if (cls is TensorClass.GRAD and self._home(cls, c) is Tier.NVME) or key in self.dropped_after_update(c):
+            if self._home(cls, c) is Tier.NVME and (cls is TensorClass.GRAD or self._streamed(cls, c)):
                 self.store.wait(self.store.evict(key, Tier.HOST))
 
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
@@ -310,16 +310,17 @@ class StoreUnitShard(UnitShard):
             return ()
         return (keys[chunk],)
 
+    def _streamed(self, cls: TensorClass, chunk: int) -> bool:
+        """With ``stream_states``: whether the chunk of ``cls`` is an NVMe-homed optimizer state, whose host
+        copy is not kept (its next use is a step away, past what the host budget can cache). A master
+        that is the parameter itself is kept: the next forward reads it."""
+        return (self.stream_states and cls in OPTIMIZER_CLASSES and self._home(cls, chunk) is Tier.NVME
+                and not self.is_alias(cls, TensorClass.PARAM))
+
     def dropped_after_update(self, chunk: int = 0) -> tuple:
-        """With ``stream_states``: the chunk's NVMe-homed optimizer-state keys, whose host copies are
-        freed once written home (their next use is a step away, past what the host budget can cache).
-        A master that is the parameter itself is kept: the next forward reads it."""
-        if not self.stream_states:
-            return ()
-        param = set(self._keys.get(TensorClass.PARAM, ()))
-        return tuple(key for cls in OPTIMIZER_CLASSES if cls in self._keys
-                     for key in [self._keys[cls][chunk]]
-                     if self._home(cls, chunk) is Tier.NVME and key not in param)
+        """The chunk's streamed state keys (:meth:`_streamed`): their host copies are freed once written home."""
+        return tuple(self._keys[cls][chunk] for cls in OPTIMIZER_CLASSES
+                     if cls in self._keys and self._streamed(cls, chunk))
 
     def job_field(self, cls: TensorClass, chunk: int = 0):
         """Chunk ``chunk``'s store key for a stored class; the in-memory tensor (its chunk's slice

@@ -205,8 +205,9 @@ class ShardUpdate:
         if self.engine.store is not None:
             self._store_mark = self._store_counters()
 
-    def step_stats(self, last_step: dict) -> None:
-        """With a store: the step's bytes per tier pair, I/O and update times under ``offload``."""
+    def end_step(self, last_step: dict) -> None:
+        """With a store: the step's bytes per tier pair, I/O and update times under ``offload``; then
+        the host buffers the step cached for reuse are freed (:meth:`TensorStore.trim_host_buffers`)."""
         e = self.engine
         if e.store is None:
             return
@@ -228,7 +229,7 @@ class ShardUpdate:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
         self.last_stats = {}
         self._store_mark = now
-        e.store.trim_host_buffers()   # buffers cached past what the step held at once leave RSS
+        e.store.trim_host_buffers()
 
     def _host_resident_bytes(self) -> int:
         """NVMe-placed chunks homed in host memory (``offload.host_resident_bytes``): fixed at initialize."""
