@@ -9,10 +9,13 @@ a chunk lives must never change the arithmetic, only the bytes the disk moves.
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 
 import infinity
+from failure_cases import wait_store_idle
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
 from infinity.store import Tier
@@ -26,12 +29,12 @@ WRITTEN = (TensorClass.PARAM, TensorClass.MASTER, TensorClass.EXP_AVG, TensorCla
 PER_ELEMENT_WRITTEN = 2 + 4 + 4 + 4   # bf16 parameter, fp32 master and moments: each written once a step
 
 
-def _config(path, resident, host="2MiB"):
+def _config(path, resident, host="2MiB", overlap=True):
     return {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16", "reduce_dtype": "fp32"},
             "offload": {"params": "nvme", "grads": "nvme", "optimizer": "nvme", "chunk_bytes": CHUNK,
                         "host_resident_bytes": resident},
             "tiers": {"host_bytes": host, "device_bytes": "1MiB", "nvme_path": str(path)},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "overlap_backward": True},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "overlap_backward": overlap},
             "prefetch": {"bytes": 0}}
 
 
@@ -199,3 +202,42 @@ def test_streamed_states_keep_no_host_copy_and_read_no_more(tmp_path, monkeypatc
     roomy_losses, _, roomy_reads, _, roomy_cached, _ = _stream_run(tmp_path / "roomy", "16MiB")
     assert len(roomy_cached) == n_states and roomy_losses == losses
     assert roomy_reads[-1] < reads[-1]
+
+
+def test_a_full_disk_while_streaming_loses_nothing(tmp_path):
+    """ENOSPC on a streamed state's write-back (evict: written home, then dropped): the step fails naming
+    the cause, the copy that could not be written stays in host memory, and the retry writes it; training
+    then goes on bitwise as a run that never failed."""
+    def run(path, fail_at):
+        model, opt = infinity.initialize(_model(), _config(path, 0, overlap=False))
+        engine = infinity.engine_of(model)
+        assert any(u.shard.dropped_after_update(0) for u in engine.units)   # states are streamed here
+        losses = []
+        try:
+            for step in range(3):
+                ids = torch.randint(0, GPT_SHAPE["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(step))
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.item())
+                if step == fail_at:
+                    wait_store_idle(engine.store)
+                    engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
+                    try:
+                        with pytest.raises(OSError, match="No space left on device") as err:
+                            opt.step()
+                        assert err.value.errno == errno.ENOSPC
+                    finally:
+                        engine.store._engine.syscalls.clear()
+                    streamed = [k for u in engine.units for c in range(len(u.shard.chunks()))
+                                for k in u.shard.dropped_after_update(c)]
+                    assert any(engine.store.is_dirty(k) for k in streamed)   # kept unwritten, not dropped
+                opt.step()   # the retry (a plain step when nothing failed)
+                opt.zero_grad()
+            return losses, _params(model)
+        finally:
+            engine.close()
+
+    ref_losses, ref_params = run(tmp_path / "ref", None)
+    losses, params = run(tmp_path / "full", 1)
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], p) for n, p in ref_params.items())
