@@ -10,6 +10,7 @@ a chunk lives must never change the arithmetic, only the bytes the disk moves.
 from __future__ import annotations
 
 import errno
+import time
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ import infinity
 from failure_cases import wait_store_idle
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
-from infinity.store import Tier
+from infinity.optim.offload_pipeline import AdamPipeline
+from infinity.store import BudgetError, Tier
 from infinity.store.residency import Residency
 from infinity.zero.placement import Placement
 from infinity.zero.units import TensorClass
@@ -136,6 +138,61 @@ def test_auto_keeps_what_the_budget_holds_beyond_the_working_room(tmp_path):
     assert {tier for (_, cls, _), tier in homes.items() if cls is not TensorClass.GRAD} == {Tier.HOST}
     assert writes == [0, 0]
     assert losses == ref_losses and all(torch.equal(params[n], p) for n, p in ref_params.items())
+
+
+def _lagging(monkeypatch, where: str) -> None:
+    """Make the overlapped update fall behind backward: each Adam call, or each swap-in, starts 20 ms late."""
+    if where == "adam":
+        update = AdamPipeline._update
+        monkeypatch.setattr(AdamPipeline, "_update", lambda self, *a: (time.sleep(0.02), update(self, *a))[1])
+    else:
+        swap_in = AdamPipeline._swap_in
+
+        class _LateQueue:
+            def __init__(self, jobs):
+                self.jobs = jobs
+
+            def get(self):
+                time.sleep(0.02)
+                return self.jobs.get()
+
+        monkeypatch.setattr(AdamPipeline, "_swap_in", lambda self, jobs, ready: swap_in(self, _LateQueue(jobs), ready))
+
+
+@pytest.mark.parametrize("where", ["adam", "swap-in"])
+def test_an_update_behind_backward_spills_gradients_and_folds_each_once(tmp_path, monkeypatch, where):
+    """At the smallest budget (the root's whole gradient + a few jobs), an update that lags backward
+    leaves block gradients unwritten in host memory while the root's is folded: the fold and the
+    swap-in both run out of room. Then deferred gradients are written home (spilled) rather than
+    refused, and a fold retried for room repeats only its store call, never a sum: every number
+    equals the run without the lag."""
+    ref_losses, _, ref_params, _, _, _ = _run(tmp_path / "ref", 0, steps=2, host="800KiB")
+    _lagging(monkeypatch, where)
+    refused = []   # folds (and gathers) refused room, then retried
+    wait_for_room = AdamPipeline.wait_for_room
+
+    def counted(self, attempt):
+        def tried():
+            try:
+                return attempt()
+            except BudgetError:
+                refused.append(1)
+                raise
+        return wait_for_room(self, tried)
+
+    monkeypatch.setattr(AdamPipeline, "wait_for_room", counted)
+    model, opt = infinity.initialize(_model(), _config(tmp_path / "lag", 0, "800KiB"))
+    engine = infinity.engine_of(model)
+    try:
+        losses, _ = _train(model, opt, 2)
+        assert refused   # the squeeze happened: folds were retried
+        if where == "swap-in":   # nothing pinned to wait for while the swap-in lags: only a spill frees room
+            assert engine.store.stats()["spills"]["host"] > 0
+        assert losses == ref_losses
+        params = _params(model)
+        assert all(torch.equal(params[n], p) for n, p in ref_params.items())
+    finally:
+        engine.close()
 
 
 def test_a_room_that_starves_the_step_is_refused_at_initialize(tmp_path):

@@ -430,6 +430,42 @@ def test_pinned_and_dirty_copies_are_not_evicted(tmp_path):
         s.close()
 
 
+def test_spill_writes_home_the_newest_dirty_copies_so_a_refused_request_fits(tmp_path):
+    """Host full of dirty copies: a bring is refused; spill writes home the most recently used unpinned
+    ones (at least the bytes asked), after which the bring fits by evicting them, and nothing is lost."""
+    s = make(tmp_path, host_bytes=4 * 4 * KiB)
+    try:
+        for k in "abcde":
+            s.register(k, torch.full((KiB,), float(ord(k)))).result()
+        for k in "abcd":   # fill the host tier with dirty copies; d is used last, a is pinned
+            with s.use(k, Tier.HOST, dirty=True) as t:
+                t.add_(1)
+        s.pin("a", Tier.HOST)
+        with pytest.raises(BudgetError, match="only newest data") as e:
+            s.bring("e", Tier.HOST)
+        assert s.spill(Tier.DEVICE, 1) == []                          # nothing dirty there
+        futures = s.spill(Tier.HOST, e.value.requested_bytes)
+        assert len(futures) == 1
+        for f in futures:
+            s.wait(f)
+        assert not s.is_dirty("d") and s.is_dirty("b") and s.is_dirty("c")   # the newest went, only as much as asked
+        assert s.stats()["spills"]["host"] == 1
+        s.wait(s.bring("e", Tier.HOST))
+        assert s.residency("d")[Tier.HOST] is R.ABSENT                 # the spilled copy gave its room
+        futures = s.spill(Tier.HOST, 10 * 4 * KiB)                     # more than there is: every unpinned one
+        assert len(futures) == 2 and s.spill(Tier.HOST, 1) == []        # a is pinned, e is clean
+        for f in futures:
+            s.wait(f)
+        assert s.is_dirty("a") and not s.is_dirty("b") and not s.is_dirty("c")
+        s.unpin("a", Tier.HOST)
+        for k in "abcd":
+            s.evict(k, Tier.HOST).result()
+            assert torch.equal(s.wait(s.bring(k, Tier.HOST)), torch.full((KiB,), float(ord(k) + 1)))
+            s.evict(k, Tier.HOST).result()
+    finally:
+        s.close()
+
+
 def test_budget_smaller_than_one_tensor_is_a_clear_error(tmp_path):
     s = make(tmp_path, device_bytes=1000, host_bytes=64 * KiB)
     try:

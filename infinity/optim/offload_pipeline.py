@@ -221,11 +221,11 @@ class AdamPipeline:
 
     def wait_for_room(self, attempt: Callable):
         """``attempt()``, retried while it fails for host room (BudgetError) that this step's pinned
-        shards hold: each retry waits for the compute thread to release one. For callers beside the
-        pipeline (e.g. a stage-3 gather during an overlapped step); a budget too small for both raises."""
-        if not self.running:
-            return attempt()
-        return self._retry_for_room(attempt, lambda: bool(self._held) or self._issued > self._released)
+        shards hold (each retry waits for the compute thread to release one) or that dirty copies
+        hold (spilled home first, see :meth:`_retry_for_room`). For callers beside the pipeline (a
+        gradient fold or a stage-3 gather during an overlapped step); a budget too small for both raises."""
+        running = self.running
+        return self._retry_for_room(attempt, lambda: running and (bool(self._held) or self._issued > self._released))
 
     def _drain_landed(self) -> None:
         """Skip the on_done calls still to come, up to the compute thread's end marker."""
@@ -407,21 +407,29 @@ class AdamPipeline:
 
     def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool]):
         """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
-        will release a shard, wait for that and try again."""
+        will release a shard, wait for that and try again. Otherwise, if the room is held by copies
+        only a write can free (gradients left unwritten for updates not begun, whose swap-in may itself
+        wait for this room), write some home (``store.spill``) and try again; else the error stands."""
         while True:
             with self._progress:
                 released = self._released
             try:
                 return attempt()
-            except BudgetError:
+            except BudgetError as e:
                 with self._progress:
-                    if not can_wait():
-                        raise
+                    waiting = can_wait()
                     # after an error or abort the compute thread releases nothing more
-                    while self._released == released and not self._stop.is_set():
+                    while waiting and self._released == released and not self._stop.is_set():
                         self._progress.wait()
-                    if self._stop.is_set():
+                    if self.running and self._stop.is_set():   # a stopped step's leftovers: not retried
                         raise
+                if waiting:
+                    continue
+                spilled = self.store.spill(e.tier, e.requested_bytes) if self.store is not None else []
+                if not spilled:
+                    raise
+                for f in spilled:
+                    self.store.wait(f)
 
     def _update(self, job: ShardJob, t: dict, hyper) -> tuple:
         """Update one shard; returns the parameter as it lives in its final place, and the future

@@ -84,6 +84,7 @@ class TensorStore(TransferRunner):
         self._moved_bytes: collections.Counter = collections.Counter()   # "src->dst" -> bytes
         self._evictions: collections.Counter = collections.Counter()     # tier -> budget-driven drops
         self._explicit_evictions: collections.Counter = collections.Counter()
+        self._spills: collections.Counter = collections.Counter()   # dirty copies written home for room (spill)
         self.recent_evictions: collections.deque = collections.deque(maxlen=4096)  # (key, tier) in order
         self._wait_s = 0.0
 
@@ -212,6 +213,29 @@ class TensorStore(TransferRunner):
                 return None
             return Transfer("evict", rec.home, hops, version=rec.latest)
         return self._issue(key, "evict", plan)
+
+    def spill(self, tier: Tier | str, nbytes: int) -> list[cf.Future]:
+        """Start writing home copies in ``tier`` that hold the only newest contents of their key (dirty,
+        unpinned, idle), until at least ``nbytes`` of them are on the way; once home they are clean and
+        an eviction can take their room. Returns the write-backs' futures (empty: nothing to spill).
+
+        For a caller refused room (BudgetError) by copies only a write could free, e.g. gradients
+        kept unwritten for an update that has not caught up. The most recently used go first: in a
+        step that walks its shards in order, the copy touched last is the one needed last."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            dirty = [rec for rec in self._keys.values()
+                     if rec.op is None and tier is not rec.home and not rec.copies[tier].pins
+                     and rec.copies[tier].state is _R.RESIDENT and rec.current_tiers() == [tier]]
+            dirty.sort(key=lambda rec: rec.copies[tier].last_use_tick, reverse=True)
+            chosen, total = [], 0
+            for rec in dirty:
+                if total >= nbytes:
+                    break
+                chosen.append(rec.key)
+                total += rec.copies[tier].reserved_bytes
+            self._spills[tier] += len(chosen)
+        return [self.write_back(key) for key in chosen]
 
     def discard(self, key: str, tier: Tier | str) -> None:
         """Drop the ``tier`` working copy of ``key`` *without* writing it home, even if it holds the
@@ -377,6 +401,7 @@ class TensorStore(TransferRunner):
                 "moved_bytes": dict(sorted(self._moved_bytes.items())),
                 "evictions": {t.value: self._evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "explicit_evictions": {t.value: self._explicit_evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
+                "spills": {t.value: self._spills[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "wait_s": self._wait_s,
             }
             extents = self._extents

@@ -170,7 +170,7 @@ class GradReducer:
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
         inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
-        write = self.with_room(lambda: unit.shard.fold_grad(out, first, inspect))
+        write = unit.shard.fold_grad(out, first, inspect, room=self.with_room)
         if write is not None:
             self.writes.append(write)
         unit.full_grad = None   # the full gradient is dropped once reduced

@@ -268,12 +268,17 @@ class StoreUnitShard(UnitShard):
         for key in self._keys.get(TensorClass.PARAM, ()):
             self.store.bring(key, Tier.DEVICE)
 
-    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
+    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None, room=None):
         """A stored gradient is folded in host memory and written home in the background; with
         ``Placement.defer_grad_writes`` (the update overlaps backward) it is left there unwritten
         instead, and dropped unwritten once the optimizer has consumed it
         (:meth:`consumed_after_update`): the gradient shard never touches the disk. The cost: until
-        its update, it holds host room no eviction can take. A host-homed gradient is replaced in place."""
+        its update, it holds host room no eviction can take (short of room, the store writes such
+        copies home: :meth:`~infinity.store.TensorStore.spill`). A host-homed gradient is replaced in place.
+
+        ``room(attempt)`` wraps each chunk's claim or bring, which may wait for host room and run
+        ``attempt`` again: a retry repeats that one chunk's store call, never a sum already folded."""
+        room = room or (lambda attempt: attempt())
         keys = self._keys.get(TensorClass.GRAD)
         if keys is None:
             return super().fold_grad(reduced, first, inspect)
@@ -282,13 +287,13 @@ class StoreUnitShard(UnitShard):
             # and a write of every stored shard per step)
             if inspect is not None:
                 inspect(reduced)
-            return self.replace(TensorClass.GRAD, reduced)
+            return room(lambda: self.replace(TensorClass.GRAD, reduced))   # retry-safe: re-registers every chunk
         self.lent.settle()
         for key, b in zip(keys, self.bounds if self.chunked else [None]):
             part = reduced if b is None else reduced[b[0]:b[1]]
             # first: claimed, its stale bytes never read; else brought and summed into
-            fut = self.store.claim(key, Tier.HOST, pin=True) if first else self.store.bring(key, Tier.HOST, pin=True)
-            g = self.store.wait(fut)
+            move = self.store.claim if first else self.store.bring
+            g = self.store.wait(room(lambda key=key, move=move: move(key, Tier.HOST, pin=True)))
             try:
                 if first:
                     g.copy_(part)
