@@ -224,7 +224,7 @@ class Placement:
         any prefetch can hide its read, and its gradient is final only when backward ends, so its update
         is the step's exposed tail (with ``optimizer.overlap_backward`` every other unit's is hidden
         behind the rest of the backward, the least for the units the backward reaches last).
-        Gradients are left out: with ``defer_grad_writes`` they never reach the disk anyway.
+        Gradients are left out: with ``defer_grad_writes`` they reach the disk only when spilled.
         """
         chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
         sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)

@@ -272,7 +272,7 @@ class StoreUnitShard(UnitShard):
         """A stored gradient is folded in host memory and written home in the background; with
         ``Placement.defer_grad_writes`` (the update overlaps backward) it is left there unwritten
         instead, and dropped unwritten once the optimizer has consumed it
-        (:meth:`consumed_after_update`): the gradient shard never touches the disk. The cost: until
+        (:meth:`consumed_after_update`): the gradient shard does not touch the disk. The cost: until
         its update, it holds host room no eviction can take (short of room, the store writes such
         copies home: :meth:`~infinity.store.TensorStore.spill`). A host-homed gradient is replaced in place.
 

@@ -216,6 +216,8 @@ class ShardUpdate:
         last_step["offload"] = {
             "moved_bytes": {k: v for k, v in moved.items() if v},
             "io_wait_s": now["wait_s"] - self._store_mark["wait_s"],
+            # dirty host copies written home for room (gradients an overlapped update had not reached)
+            "spills": now["spills"] - self._store_mark["spills"],
             "adam_s": self.last_stats.get("adam_s", 0.0),
             "swap_in_wait_s": self.last_stats.get("swap_in_wait_s", 0.0),
             "swap_out_wait_s": self.last_stats.get("swap_out_wait_s", 0.0),
@@ -239,4 +241,5 @@ class ShardUpdate:
 
     def _store_counters(self) -> dict:
         s = self.engine.store.stats()
-        return {"moved": dict(s["moved_bytes"]), "wait_s": s["wait_s"], "peak": s["peak_bytes"]}
+        return {"moved": dict(s["moved_bytes"]), "wait_s": s["wait_s"], "peak": s["peak_bytes"],
+                "spills": s["spills"]["host"]}
