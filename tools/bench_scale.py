@@ -323,10 +323,12 @@ def child_train(a) -> dict:
                      "optimizer_s": t3 - t2, "disk_read_bytes": io1[0] - io0[0], "disk_write_bytes": io1[1] - io0[1],
                      "moved_bytes": (last.get("offload") or {}).get("moved_bytes", {}),
                      "host_resident_bytes": (last.get("offload") or {}).get("host_resident_bytes", 0),
+                     **{k: (last.get("offload") or {}).get(k) for k in ("spills", "swap_in_wait_s", "adam_s")},
                      "foreign_cpu": foreign_share(cpu0, cpu_mark())})
         print(f"[infinity] step {step}{' (warm-up)' if step < a.warmup else ''} loss {rows[-1]['loss']:.4f} "
               f"{t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} step {t3 - t2:.2f}) VmHWM "
-              f"{proc_status() / GIB:.2f} GiB, other processes' CPU {rows[-1]['foreign_cpu']:.0%}", file=sys.stderr,
+              f"{proc_status() / GIB:.2f} GiB, spills {rows[-1]['spills']}, Adam's swap-in wait "
+              f"{rows[-1]['swap_in_wait_s'] or 0:.1f}s, other processes' CPU {rows[-1]['foreign_cpu']:.0%}", file=sys.stderr,
               flush=True)
     meas = rows[a.warmup:]
     peak_rss, source = proc_status(), "engine.resident_bytes() (this engine has no memory_report)"
