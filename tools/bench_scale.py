@@ -318,12 +318,13 @@ def child_train(a) -> dict:
         opt.zero_grad()
         t3 = time.perf_counter()
         io1, last = proc_io(), engine.stats.last_step   # last: the step just ended (its bytes per tier pair)
+        offload = last.get("offload") or {}
         reports.append(engine.memory_report() if hasattr(engine, "memory_report") else None)
         rows.append({"loss": round(loss.item(), 4), "step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1,
                      "optimizer_s": t3 - t2, "disk_read_bytes": io1[0] - io0[0], "disk_write_bytes": io1[1] - io0[1],
-                     "moved_bytes": (last.get("offload") or {}).get("moved_bytes", {}),
-                     "host_resident_bytes": (last.get("offload") or {}).get("host_resident_bytes", 0),
-                     **{k: (last.get("offload") or {}).get(k) for k in ("spills", "swap_in_wait_s", "adam_s")},
+                     "moved_bytes": offload.get("moved_bytes", {}),
+                     "host_resident_bytes": offload.get("host_resident_bytes", 0),
+                     **{k: offload.get(k) for k in ("spills", "swap_in_wait_s", "adam_s")},
                      "foreign_cpu": foreign_share(cpu0, cpu_mark())})
         print(f"[infinity] step {step}{' (warm-up)' if step < a.warmup else ''} loss {rows[-1]['loss']:.4f} "
               f"{t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} step {t3 - t2:.2f}) VmHWM "

@@ -19,7 +19,7 @@ from infinity.store.eviction import Candidate, EvictionPolicy
 from infinity.store.records import KeyRecord
 from infinity.store.residency import Residency, StoreError, Tier
 
-__all__ = ["BudgetError", "TierAccount", "resolve_budgets", "plan_room"]
+__all__ = ["BudgetError", "TierAccount", "resolve_budgets", "plan_room", "plan_spill"]
 
 
 class BudgetError(StoreError):
@@ -121,18 +121,35 @@ def plan_room(accounts: dict[Tier, TierAccount], policy: EvictionPolicy, records
     return victims
 
 
+def plan_spill(records: dict[str, KeyRecord], tier: Tier, nbytes: int) -> list[str]:
+    """The keys whose ``tier`` copy to write home so that at least ``nbytes`` more can be evicted: idle
+    copies holding the only newest contents (what :func:`plan_room` cannot drop), most recently used
+    first (in a step that walks its shards in order, the copy touched last is the one needed last)."""
+    dirty = sorted((rec for rec in _idle(records, tier) if rec.sole_newest(tier)),
+                   key=lambda rec: rec.copies[tier].last_use_tick, reverse=True)
+    chosen, total = [], 0
+    for rec in dirty:
+        if total >= nbytes:
+            break
+        chosen.append(rec.key)
+        total += rec.copies[tier].reserved_bytes
+    return chosen
+
+
+def _idle(records: dict[str, KeyRecord], tier: Tier, exclude_key: str | None = None) -> list[KeyRecord]:
+    """Records, in key order, with a resident working copy in ``tier`` that no operation moves and no one pins."""
+    return [rec for key, rec in sorted(records.items())
+            if key != exclude_key and rec.op is None and tier is not rec.home and not rec.copies[tier].pins
+            and rec.copies[tier].state is Residency.RESIDENT]
+
+
 def _candidates(records: dict[str, KeyRecord], tier: Tier, exclude_key: str) -> list[Candidate]:
     """Copies in ``tier`` that can be dropped with no I/O (see eviction.py), in key order."""
     out = []
-    for key in sorted(records):
-        rec = records[key]
-        c = rec.copies[tier]
-        if (key == exclude_key or rec.op is not None or tier is rec.home or c.pins
-                or c.state is not Residency.RESIDENT):
-            continue
-        stale = c.version != rec.latest
-        if stale or len(rec.current_tiers()) > 1:
-            out.append(Candidate(key, tier, c.reserved_bytes, c.last_use_tick, stale))
+    for rec in _idle(records, tier, exclude_key):
+        if not rec.sole_newest(tier):   # stale, or another tier holds the newest bytes too
+            c = rec.copies[tier]
+            out.append(Candidate(rec.key, tier, c.reserved_bytes, c.last_use_tick, c.version != rec.latest))
     return out
 
 

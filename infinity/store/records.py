@@ -96,6 +96,10 @@ class KeyRecord:
     def current_tiers(self) -> list[Tier]:
         return [t for t in Tier if self.is_current(t)]
 
+    def sole_newest(self, tier: Tier) -> bool:
+        """The ``tier`` copy holds the only newest contents: dropping it would lose them (write it home first)."""
+        return self.current_tiers() == [tier]
+
     @property
     def dirty(self) -> bool:
         """Home holds an older version than some working copy."""

@@ -37,7 +37,7 @@ import torch
 
 from infinity.config import IOConfig, TiersConfig
 from infinity.io import ExtentFile, IOEngine
-from infinity.store.budget import TierAccount, plan_room, resolve_budgets
+from infinity.store.budget import TierAccount, plan_room, plan_spill, resolve_budgets
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.eviction import EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
@@ -203,7 +203,7 @@ class TensorStore(TransferRunner):
                 return _done()
             if copy.pins:
                 raise self._refuse(rec, tier, "evict", "it is pinned (in use); unpin it first")
-            if rec.current_tiers() != [tier]:   # someone else holds the newest bytes (or this copy is stale)
+            if not rec.sole_newest(tier):   # someone else holds the newest bytes (or this copy is stale)
                 self._drop(rec, tier, "evict")
                 self._explicit_evictions[tier] += 1
                 self.recent_evictions.append((rec.key, tier))
@@ -216,24 +216,13 @@ class TensorStore(TransferRunner):
 
     def spill(self, tier: Tier | str, nbytes: int) -> list[cf.Future]:
         """Start writing home copies in ``tier`` that hold the only newest contents of their key (dirty,
-        unpinned, idle), until at least ``nbytes`` of them are on the way; once home they are clean and
-        an eviction can take their room. Returns the write-backs' futures (empty: nothing to spill).
-
-        For a caller refused room (BudgetError) by copies only a write could free, e.g. gradients
-        kept unwritten for an update that has not caught up. The most recently used go first: in a
-        step that walks its shards in order, the copy touched last is the one needed last."""
+        unpinned, idle; which ones: :func:`~infinity.store.budget.plan_spill`), until at least ``nbytes``
+        of them are on the way; once home they are clean and an eviction can take their room. Returns
+        the write-backs' futures (empty: nothing to spill). For a caller refused room (BudgetError) by
+        copies only a write could free, e.g. gradients kept unwritten for an update not caught up."""
         tier = Tier.parse(tier)
         with self._cond:
-            dirty = [rec for rec in self._keys.values()
-                     if rec.op is None and tier is not rec.home and not rec.copies[tier].pins
-                     and rec.copies[tier].state is _R.RESIDENT and rec.current_tiers() == [tier]]
-            dirty.sort(key=lambda rec: rec.copies[tier].last_use_tick, reverse=True)
-            chosen, total = [], 0
-            for rec in dirty:
-                if total >= nbytes:
-                    break
-                chosen.append(rec.key)
-                total += rec.copies[tier].reserved_bytes
+            chosen = plan_spill(self._keys, tier, nbytes)
             self._spills[tier] += len(chosen)
         return [self.write_back(key) for key in chosen]
 

@@ -140,7 +140,7 @@ class TransferRunner:
         result = None
         if op.kind == "evict":
             evicted = op.hops[0][0]
-            if rec.current_tiers() == [evicted]:   # mark_dirty'd while draining: home is stale again
+            if rec.sole_newest(evicted):   # mark_dirty'd while draining: home is stale again
                 result = self._refuse(rec, evicted, "evict", "it was marked dirty while being written "
                                                              "back; it was kept, evict again")
             else:
