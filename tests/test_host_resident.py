@@ -20,7 +20,8 @@ from failure_cases import wait_store_idle
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
 from infinity.optim.offload_pipeline import AdamPipeline
-from infinity.store import BudgetError, Tier
+from infinity.store import BudgetError, TensorStore, Tier, tensor_store
+from infinity.store.budget import plan_spill
 from infinity.store.residency import Residency
 from infinity.zero.placement import Placement
 from infinity.zero.units import TensorClass
@@ -197,6 +198,43 @@ def test_an_update_behind_backward_spills_gradients_and_folds_each_once(tmp_path
         params = _params(model)
         assert all(torch.equal(params[n], p) for n, p in ref_params.items())
     finally:
+        engine.close()
+
+
+def test_a_full_disk_during_a_spill_names_the_cause(tmp_path, monkeypatch):
+    """ENOSPC while deferred gradients are spilled for room: backward fails with the disk's error (not
+    the BudgetError the spill was meant to avoid), the copies that could not be written stay in host
+    memory, dirty, and the engine refuses to apply the partial gradients."""
+    _lagging(monkeypatch, "swap-in")
+    chosen = []
+
+    def recorded(records, tier, nbytes):
+        keys = plan_spill(records, tier, nbytes)
+        chosen.extend(keys)
+        return keys
+
+    def failing(self, tier, nbytes):
+        self._engine.syscalls.inject("pwritev", errno.ENOSPC, count=10 ** 6)
+        return spill(self, tier, nbytes)
+
+    spill = TensorStore.spill
+    monkeypatch.setattr(tensor_store, "plan_spill", recorded)
+    monkeypatch.setattr(TensorStore, "spill", failing)
+    model, opt = infinity.initialize(_model(), _config(tmp_path, 0, "800KiB"))
+    engine = infinity.engine_of(model)
+    try:
+        with pytest.raises(OSError, match="No space left on device") as err:
+            _train(model, opt, 2)
+        assert err.value.errno == errno.ENOSPC
+        engine.store._engine.syscalls.clear()
+        wait_store_idle(engine.store)
+        assert chosen
+        assert all(engine.store.is_dirty(k) and engine.store.residency(k)[Tier.HOST] is Residency.RESIDENT
+                   for k in chosen)
+        with pytest.raises(RuntimeError, match="raised part-way"):   # the partial gradients are not applied
+            opt.step()
+    finally:
+        engine.store._engine.syscalls.clear()
         engine.close()
 
 

@@ -422,6 +422,8 @@ class AdamPipeline:
                     while waiting and self._released == released and not self._stop.is_set():
                         self._progress.wait()
                     if self.running and self._stop.is_set():   # a stopped step's leftovers: not retried
+                        if self._error is not None:   # the pipeline failed: its cause, not the room it held
+                            raise self._error from e
                         raise
                 if waiting:
                     continue
