@@ -33,7 +33,7 @@ def _add_estimate(sub) -> None:
     p = sub.add_parser(
         "estimate", help="model-state memory per tier and communication per step, for each ZeRO stage",
         description="Model-state bytes per rank (device, host, NVMe) and collective volume per step for DDP, "
-                    "ZeRO-1/2/3 and ZeRO-Infinity with host or NVMe offload (see infinity/estimate.py).")
+                    "ZeRO-1/2/3 and ZeRO-Infinity with host or NVMe offload (see infinity/estimate/strategies.py).")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--params", metavar="N", help="parameter count, e.g. 7B, 125M, 1.5e9")
     size.add_argument("--model", metavar="NAME", help="a built-in GPT (tiny, 125m, 350m, 1b, 3b), counted on meta")
@@ -57,7 +57,7 @@ def _add_estimate(sub) -> None:
 
 def _run_estimate(args) -> int:
     from infinity.config import Config
-    from infinity.estimate import (ZEROPP_ROWS, ZeroPPSwitches, count_params, estimate_all, estimate_config,
+    from infinity.estimate.strategies import (ZEROPP_ROWS, ZeroPPSwitches, count_params, estimate_all, estimate_config,
                                    parse_param_count, zeropp_rows)
 
     if args.devices < 1:
@@ -93,7 +93,7 @@ def _run_estimate(args) -> int:
     # with a built-in model and a config: the predicted peak RSS and initialize's minimum tier budgets
     memory = None
     if config is not None and args.model is not None and config.parallel.tensor == 1:
-        from infinity.memory_bound import gpt_bound
+        from infinity.estimate.peak_rss import gpt_bound
         memory = gpt_bound(model_cfg, config, args.devices, args.tokens)
     with_config = config is not None and config.zeropp.enabled
     extra = (ZeroPPSwitches.from_config(config.zeropp),) if with_config else ()
@@ -158,8 +158,8 @@ def _print_zeropp(rows: list, devices: int, per_node: int) -> None:
 
 
 def _tp_rows(args) -> list:
-    """ZeRO x TP rows for the built-in GPT (see infinity/tp_estimate.py)."""
-    from infinity.tp_estimate import gpt_tp_rows
+    """ZeRO x TP rows for the built-in GPT (see infinity/estimate/tensor_parallel.py)."""
+    from infinity.estimate.tensor_parallel import gpt_tp_rows
     if args.model is None:
         raise UsageError("--tp: needs --model (the split and the tp-axis bytes depend on the model's layers)")
     try:

@@ -321,7 +321,7 @@ class ZeroPPConfig:
     """ZeRO++ (Wang et al. 2023): three independent ways to cut stage 3's cross-node traffic.
 
     Each trades exactness or memory for fewer bytes on the slow links between
-    nodes (see :mod:`infinity.zero.zeropp` and the README's stage guide). The
+    nodes (see :mod:`infinity.comm.zeropp` and the README's stage guide). The
     node layout (``ranks_per_node``) also splits the byte counters into
     intra-node and cross-node bytes, whether or not a technique is on.
     """
@@ -354,7 +354,7 @@ class ZeroPPConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the world is cut into a 2-D ``("dp", "tp")`` mesh (:mod:`infinity.zero.mesh`).
+    """How the world is cut into a 2-D ``("dp", "tp")`` mesh (:mod:`infinity.parallel.mesh`).
 
     Tensor parallelism splits each attention / MLP matrix ``tensor`` ways (Megatron column / row
     split): model state per rank falls by ``tensor`` on top of ZeRO's data-parallel sharding, at the

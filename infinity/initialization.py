@@ -11,13 +11,13 @@ import torch.nn as nn
 
 from infinity.config import Config
 from infinity.store.host_malloc import fix_mmap_threshold
-from infinity.zero.collectives import Collectives, LocalCollectives
+from infinity.comm.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model, materialize_steps
-from infinity.zero.mesh import build_mesh
+from infinity.parallel.mesh import build_mesh
 from infinity.zero.optimizer import ZeroAdamW
-from infinity.zero.tensor_parallel import TensorParallel, apply_plan
-from infinity.zero.tp_plans import default_plan
+from infinity.parallel.tensor_parallel import TensorParallel, apply_plan
+from infinity.parallel.plans import default_plan
 from infinity.zero.units import choose_unit_modules
 
 __all__ = ["initialize", "engine_of"]
@@ -55,9 +55,9 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     (NCCL on CUDA, gloo on CPU).
 
     ``parallel.tensor = T > 1`` builds the 2-D ``("dp", "tp")`` mesh
-    (:mod:`infinity.zero.mesh`), splits the model ``T`` ways by ``tp_plan``
-    (default: :func:`infinity.zero.tp_plans.default_plan` for the model's class;
-    see :mod:`infinity.zero.tensor_parallel`) and shards each rank's split
+    (:mod:`infinity.parallel.mesh`), splits the model ``T`` ways by ``tp_plan``
+    (default: :func:`infinity.parallel.plans.default_plan` for the model's class;
+    see :mod:`infinity.parallel.tensor_parallel`) and shards each rank's split
     parameters over its ``dp`` group only. Every rank must build the same full
     model (same seed) before calling this; ``params`` may name the full
     parameters, they are replaced by their slices. A meta model is

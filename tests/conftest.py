@@ -1,8 +1,14 @@
-"""Shared fixtures."""
+"""Shared fixtures. The helpers (rank-side cases, the multi-rank harness, child scripts) live in
+``tests/helpers/`` and import by their module names, in pytest and in the ranks it spawns."""
 
-import pytest
+import sys
+from pathlib import Path
 
-from world import World
+sys.path.insert(0, str(Path(__file__).with_name("helpers")))
+
+import pytest  # noqa: E402
+
+from world import World  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,7 @@ def test_estimate_json(capsys):
 
 
 def test_estimate_builtin_model_counts_on_meta(capsys):
-    from infinity.estimate import count_params
+    from infinity.estimate.strategies import count_params
     from infinity.models import GPT, gpt_config
     code, out, _ = run(capsys, "estimate", "--model", "1b", "--devices", "4", "--json")
     data = json.loads(out)

@@ -46,7 +46,7 @@ from infinity.config import IOConfig, TiersConfig, parse_size  # noqa: E402
 from infinity.io import aligned_empty  # noqa: E402
 from infinity.io.syscalls import O_DIRECT  # noqa: E402
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads  # noqa: E402
-from infinity.optim.offload_pipeline import AdamPipeline, ShardJob  # noqa: E402
+from infinity.optim.pipeline import AdamPipeline, ShardJob  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

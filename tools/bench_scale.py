@@ -148,11 +148,11 @@ def disk_need(a) -> dict:
 
 
 def predicted_rss(a, baseline_bytes=None):
-    """infinity.memory_bound's peak-RSS bound and initialize's minimum budgets for this model and config, with
+    """infinity.estimate.peak_rss's peak-RSS bound and initialize's minimum budgets for this model and config, with
     activations left out (transformers' GPT-2 forward cannot run on meta tensors to count them); None when
     this infinity has no memory_bound."""
     try:
-        from infinity.memory_bound import SLACK_FRACTION, bound_for_model
+        from infinity.estimate.peak_rss import SLACK_FRACTION, bound_for_model
     except ImportError:
         return None
     from transformers import GPT2LMHeadModel
@@ -475,7 +475,7 @@ def report(r):
           f"processes' CPU per step {[s['foreign_cpu'] for s in i['steps']]}")
     print(f"  peak RSS {i['peak_rss'] / GIB:.2f} GiB over the steps (VmHWM "
           f"{'reset after set-up' if i['hwm_reset_after_setup'] else 'NOT reset: includes set-up'}), set-up "
-          f"{i['setup_hwm'] / GIB:.2f} GiB; predicted bound (infinity.memory_bound + the activations measured) "
+          f"{i['setup_hwm'] / GIB:.2f} GiB; predicted bound (infinity.estimate.peak_rss + the activations measured) "
           f"{(i['predicted'] or {}).get('bound_bytes', 0) / GIB:.2f} GiB\n  {m['source']}: "
           f"{json.dumps(m['report'], default=str)}")
     print("  bytes per step: " + ", ".join(f"{k} {g(v)}" for k, v in i["moved_bytes_per_step"].items())

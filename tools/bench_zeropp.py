@@ -157,7 +157,7 @@ def main(argv=None) -> int:
             print(f"--- rank {r}:\n{tb}", file=sys.stderr)
         return 1
 
-    from infinity.estimate import ZeroPPSwitches, zeropp_comm
+    from infinity.estimate.strategies import ZeroPPSwitches, zeropp_comm
 
     rows = {}
     for name, pp in CONFIGS.items():
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         row["cross_vs_zero3"] = row["cross_node_bytes"] / base["cross_node_bytes"]
         row["projected_speedup_vs_zero3"] = (base["projection"]["projected_step_s"]
                                              / row["projection"]["projected_step_s"])
-    from infinity.estimate import parse_param_count, zeropp_rows
+    from infinity.estimate.strategies import parse_param_count, zeropp_rows
 
     cluster_rows = zeropp_rows(parse_param_count(args.project_params), args.project_devices,
                                args.project_ranks_per_node)

@@ -27,7 +27,7 @@ from infinity.checkpoint.manifest import Checkpoint
 from infinity.checkpoint.shard_reader import ShardReader
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
 from infinity.checkpoint.tp_layout import read_full_param, saved_spec
-from infinity.zero.tensor_parallel import full_shape
+from infinity.parallel.tensor_parallel import full_shape
 
 __all__ = ["consolidate", "OUTPUT_DTYPES"]
 

@@ -3,13 +3,13 @@
 A checkpoint saved at ``T`` tensor-parallel ways holds, for every ``tp`` rank
 ``t``, that rank's units (local shapes, the same layout on every ``t``) sharded
 over the dp ranks. The manifest's ``tensor_parallel`` says ``T`` and, for each
-split parameter, ``[dim, parts]`` (:class:`~infinity.zero.tensor_parallel.TPSpec`).
+split parameter, ``[dim, parts]`` (:class:`~infinity.parallel.tensor_parallel.TPSpec`).
 
 Loading at the same ``T`` reads this ``tp`` rank's files by element ranges, as
 without TP. Loading at another ``T'`` (1 included) goes parameter by parameter:
 each split parameter is reassembled from the ``T`` saved slices
-(:func:`~infinity.zero.tensor_parallel.assemble`), cut again for this rank
-(:func:`~infinity.zero.tensor_parallel.shard_of`), and the part inside this
+(:func:`~infinity.parallel.tensor_parallel.assemble`), cut again for this rank
+(:func:`~infinity.parallel.tensor_parallel.shard_of`), and the part inside this
 rank's dp shard is copied in; a replicated one is read from saved ``tp`` rank 0.
 Peak extra memory: one whole parameter (fp32) at a time. ``consolidate`` uses
 :func:`read_full_param` the same way.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from infinity.checkpoint.tensor_file import CheckpointError
-from infinity.zero.tensor_parallel import TPSpec, assemble, full_shape, shard_of
+from infinity.parallel.tensor_parallel import TPSpec, assemble, full_shape, shard_of
 
 __all__ = ["tp_manifest", "check_full_layout", "read_full_param", "load_unit_resharded", "saved_spec"]
 

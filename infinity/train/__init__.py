@@ -1,7 +1,7 @@
 """``infinity train``: the training loop, and starting the ranks that run it.
 
-Files: ``options.py`` (defaults, :class:`TrainOptions`), ``plan.py`` (validation
-into the plan every rank runs), ``models.py`` (the ``--model`` grammar),
+Files: ``options.py`` (defaults, :class:`TrainOptions`), ``resolve.py`` (validation
+into the :class:`TrainRun` every rank runs), ``models.py`` (the ``--model`` grammar),
 ``launch.py`` (in-process, spawned or torchrun ranks; stopping), ``loop.py``
 (one rank's loop, metrics, trace, progress).
 

@@ -18,59 +18,59 @@ import torch.distributed as dist
 
 from infinity.data import DEFAULT_CORPUS_BYTES, TokenDataset, stdlib_corpus, tokenize_text
 from infinity.train.errors import RankError
-from infinity.train.plan import Plan
+from infinity.train.resolve import TrainRun
 from infinity.train.sample import sample_text
 from infinity.train.tokenizer import load_tokenizer
 
 __all__ = ["make_datasets", "load_tokenizer", "evaluate", "sample_text"]
 
 
-def make_datasets(plan: Plan, tokenizer) -> tuple:
+def make_datasets(run: TrainRun, tokenizer) -> tuple:
     """(train, val or None): ``--data`` or the default corpus, tokenized if there is a tokenizer."""
-    if plan.data is not None:
-        raw = Path(plan.data).read_bytes()
-        name = plan.data
+    if run.data is not None:
+        raw = Path(run.data).read_bytes()
+        name = run.data
     else:
-        raw = stdlib_corpus(plan.corpus_bytes or DEFAULT_CORPUS_BYTES)
+        raw = stdlib_corpus(run.corpus_bytes or DEFAULT_CORPUS_BYTES)
         name = "python-stdlib"
     if tokenizer is not None:
         text = bytes(raw.numpy()) if isinstance(raw, torch.Tensor) else raw
         ids = tokenize_text(text.decode("utf-8", errors="replace"), tokenizer)
-        # the plan could not know the length in tokens: say it here, as the plan does for bytes
-        flag = f"--data {plan.data}" if plan.data is not None else "the default corpus"
-        held_out = int(len(ids) * plan.val_fraction)
-        if len(ids) - held_out < plan.seq_len + 1:
-            raise RankError(f"{flag}: {len(ids)} tokens (tokenizer {plan.tokenizer}) is too short for "
-                            f"--seq-len {plan.seq_len}")
-        if plan.val_fraction and held_out < plan.seq_len + 1:
-            raise RankError(f"{flag}: its held-out {plan.val_fraction:g} ({held_out} tokens, tokenizer "
-                            f"{plan.tokenizer}) is too short for --seq-len {plan.seq_len}; raise --val-fraction, or "
+        # the run could not know the length in tokens: say it here, as the run does for bytes
+        flag = f"--data {run.data}" if run.data is not None else "the default corpus"
+        held_out = int(len(ids) * run.val_fraction)
+        if len(ids) - held_out < run.seq_len + 1:
+            raise RankError(f"{flag}: {len(ids)} tokens (tokenizer {run.tokenizer}) is too short for "
+                            f"--seq-len {run.seq_len}")
+        if run.val_fraction and held_out < run.seq_len + 1:
+            raise RankError(f"{flag}: its held-out {run.val_fraction:g} ({held_out} tokens, tokenizer "
+                            f"{run.tokenizer}) is too short for --seq-len {run.seq_len}; raise --val-fraction, or "
                             "hold nothing out with --val-fraction 0 --eval-every 0")
-        data = TokenDataset(ids, plan.seq_len, f"{name} ({len(ids)} tokens)")
+        data = TokenDataset(ids, run.seq_len, f"{name} ({len(ids)} tokens)")
     elif isinstance(raw, torch.Tensor):
-        data = TokenDataset(raw, plan.seq_len, name)
+        data = TokenDataset(raw, run.seq_len, name)
     else:
-        data = TokenDataset(torch.frombuffer(bytearray(raw), dtype=torch.uint8), plan.seq_len, name)
-    if plan.val_fraction <= 0.0:
+        data = TokenDataset(torch.frombuffer(bytearray(raw), dtype=torch.uint8), run.seq_len, name)
+    if run.val_fraction <= 0.0:
         return data, None
-    return data.split(plan.val_fraction)
+    return data.split(run.val_fraction)
 
 
 @torch.no_grad()
-def evaluate(model, loss_fn, val: TokenDataset, plan: Plan, rank: int, world_size: int, device) -> float:
-    """Mean loss over ``plan.eval_batches`` held-out global batches, averaged over ranks (every rank calls it).
+def evaluate(model, loss_fn, val: TokenDataset, run: TrainRun, rank: int, world_size: int, device) -> float:
+    """Mean loss over ``run.eval_batches`` held-out global batches, averaged over ranks (every rank calls it).
     ``rank`` / ``world_size`` split the data (the data-parallel axis); the mean is over every rank, which under
     tensor parallelism counts each dp row's equal losses once per tp rank, the same mean."""
     was_training = model.training
     model.eval()
     try:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for i in range(plan.eval_batches):
-            input_ids, labels = val.micro_batches(i, plan.batch_size, plan.seed, rank, world_size, 1)[0]
+        for i in range(run.eval_batches):
+            input_ids, labels = val.micro_batches(i, run.batch_size, run.seed, rank, world_size, 1)[0]
             total += loss_fn(model, input_ids.to(device), labels.to(device)).double()
         ranks = dist.get_world_size() if dist.is_initialized() else 1
         if ranks > 1:
             dist.all_reduce(total)
-        return float(total) / (plan.eval_batches * ranks)
+        return float(total) / (run.eval_batches * ranks)
     finally:
         model.train(was_training)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from infinity.train.errors import RankError, TrainError
 from infinity.train.loop import run_rank
 from infinity.train.options import TrainOptions, TrainResult
-from infinity.train.plan import Plan, check_int, prepare_swap_dir, resolve, under_torchrun, with_swap_dir
+from infinity.train.resolve import TrainRun, check_int, prepare_swap_dir, resolve, under_torchrun, with_swap_dir
 
 __all__ = ["train", "launch"]
 
@@ -56,37 +56,37 @@ def train(options: TrainOptions | None = None) -> TrainResult:
             raise TrainError(f"--nproc {options.nproc}: under torchrun the ranks are torchrun's "
                              "(--nproc_per_node); drop --nproc")
         world_size = int(os.environ["WORLD_SIZE"])
-        plan = resolve(options, world_size)
-        if plan.swap_dir is not None:
-            prepare_swap_dir(plan.swap_dir)   # every rank checks its own node's disk
+        run = resolve(options, world_size)
+        if run.swap_dir is not None:
+            prepare_swap_dir(run.swap_dir)   # every rank checks its own node's disk
         # torchrun answers its own SIGINT by sending the workers SIGTERM: both mean "stop after this step"
         with _StopOnSignal(threading.Event(), (signal.SIGINT, signal.SIGTERM)) as stop:
-            return run_rank(plan, int(os.environ["RANK"]), world_size, stop)
+            return run_rank(run, int(os.environ["RANK"]), world_size, stop)
     nproc = check_int("--nproc", options.nproc, 1)
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():   # CUDA-only: one device per rank
         raise TrainError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) here, one per rank")
     return launch(resolve(options, nproc), nproc)
 
 
-def launch(plan: Plan, nproc: int) -> TrainResult:
-    """Run ``plan`` on ``nproc`` local ranks in a swap directory of its own, removed afterwards."""
+def launch(run: TrainRun, nproc: int) -> TrainResult:
+    """Run ``run`` on ``nproc`` local ranks in a swap directory of its own, removed afterwards."""
     run_dir = None
-    if plan.swap_dir is not None:
-        prepare_swap_dir(plan.swap_dir)
+    if run.swap_dir is not None:
+        prepare_swap_dir(run.swap_dir)
         # a directory per run: two runs sharing a swap dir must not meet in each other's files
-        run_dir = Path(plan.swap_dir) / f"run-{os.getpid()}-{time.time_ns() % 10**9}"
+        run_dir = Path(run.swap_dir) / f"run-{os.getpid()}-{time.time_ns() % 10**9}"
         run_dir.mkdir()
-        plan = with_swap_dir(plan, str(run_dir))
+        run = with_swap_dir(run, str(run_dir))
     try:
         if nproc == 1:
             threads = torch.get_num_threads()
             torch.set_num_threads(_threads_per_rank(1))
             try:
                 with _StopOnSignal(threading.Event()) as stop:
-                    return run_rank(plan, 0, 1, stop)
+                    return run_rank(run, 0, 1, stop)
             finally:
                 torch.set_num_threads(threads)
-        return _spawn(plan, nproc)
+        return _spawn(run, nproc)
     finally:
         if run_dir is not None:
             # the engine closes its own files; this also covers ranks that were killed mid-write
@@ -130,7 +130,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(rank_fn, plan: Plan, rank: int, world_size: int, port: int, stop, reports) -> None:
+def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, stop, reports) -> None:
     # The terminal's Ctrl-C reaches the whole process group; the parent turns it into `stop`,
     # which every rank honours at the same step. A rank interrupted alone would hang the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -138,7 +138,7 @@ def _rank_entry(rank_fn, plan: Plan, rank: int, world_size: int, port: int, stop
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        result = rank_fn(plan, rank, world_size, stop)
+        result = rank_fn(run, rank, world_size, stop)
         reports.put(("done", rank, result))
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, or it waits for nothing
         import traceback
@@ -155,7 +155,7 @@ def _rank_entry(rank_fn, plan: Plan, rank: int, world_size: int, port: int, stop
             dist.destroy_process_group()
 
 
-def _spawn(plan: Plan, nproc: int, rank_fn=None) -> TrainResult:
+def _spawn(run: TrainRun, nproc: int, rank_fn=None) -> TrainResult:
     """Start ``nproc`` ranks running ``rank_fn`` (default: the training loop); rank 0's result.
 
     The first rank to fail (or to die without a report) ends the run: the
@@ -165,7 +165,7 @@ def _spawn(plan: Plan, nproc: int, rank_fn=None) -> TrainResult:
     stop, reports = ctx.Event(), ctx.Queue()
     port = _free_port()
     rank_fn = rank_fn or run_rank
-    procs = [ctx.Process(target=_rank_entry, args=(rank_fn, plan, r, nproc, port, stop, reports), daemon=True,
+    procs = [ctx.Process(target=_rank_entry, args=(rank_fn, run, r, nproc, port, stop, reports), daemon=True,
                          name=f"infinity-rank{r}") for r in range(nproc)]
     results: dict = {}
     failure = None

@@ -30,7 +30,7 @@ from infinity.train.evaluate import evaluate, load_tokenizer, make_datasets, sam
 from infinity.train.job_state import JOB_KEY, JOB_VERSION
 from infinity.train.models import build_model, unit_init_fn
 from infinity.train.options import TrainResult
-from infinity.train.plan import Plan
+from infinity.train.resolve import TrainRun
 from infinity.train.report import Reporter, engine_metrics
 from infinity.train.schedule import build_lr_scheduler
 from infinity.zero.memory_report import warm_torch
@@ -38,8 +38,8 @@ from infinity.zero.memory_report import warm_torch
 __all__ = ["run_rank", "engine_metrics"]
 
 
-def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
-    """Train ``plan`` as rank ``rank``; ``stop.is_set()`` asks for a stop after the current step.
+def run_rank(run: TrainRun, rank: int, world_size: int, stop) -> TrainResult:
+    """Train ``run`` as rank ``rank``; ``stop.is_set()`` asks for a stop after the current step.
 
     With ``world_size`` > 1 and no process group yet, ``initialize`` creates it
     from the env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and this
@@ -47,7 +47,7 @@ def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     """
     owns_group = world_size > 1 and not dist.is_initialized()
     try:
-        return _train(plan, rank, world_size, stop)
+        return _train(run, rank, world_size, stop)
     finally:
         if owns_group and dist.is_initialized():
             # a gloo group still alive at interpreter exit can abort the process
@@ -55,22 +55,22 @@ def run_rank(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
             dist.destroy_process_group()
 
 
-def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
+def _train(run: TrainRun, rank: int, world_size: int, stop) -> TrainResult:
     import infinity
 
     warm_torch()   # torch's runtime loads on first use: before the engine, so the memory report's baseline holds it
-    torch.manual_seed(plan.seed)   # same initial weights on every rank (initialize also broadcasts rank 0's)
-    config = Config.from_dict(plan.config)
-    model, optimizer, loss_fn, num_params = _build(plan, config)
+    torch.manual_seed(run.seed)   # same initial weights on every rank (initialize also broadcasts rank 0's)
+    config = Config.from_dict(run.config)
+    model, optimizer, loss_fn, num_params = _build(run, config)
     engine = infinity.engine_of(model)
     engine.memory.enable()   # each step's peak RSS and where it went (infinity.zero.memory_report)
     device = engine.device
     try:
         scheduler = build_lr_scheduler(optimizer, config.schedule, config.schedule.total_steps)
-        if plan.resume is not None:
-            _resume(plan, model, optimizer, scheduler)
-        tokenizer = load_tokenizer(plan.tokenizer)
-        train_set, val_set = make_datasets(plan, tokenizer)
+        if run.resume is not None:
+            _resume(run, model, optimizer, scheduler)
+        tokenizer = load_tokenizer(run.tokenizer)
+        train_set, val_set = make_datasets(run, tokenizer)
     except BaseException:
         engine.close()
         raise
@@ -78,27 +78,27 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     # The engine records its I/O, collectives and update into its tracer and steps it in optimizer.step();
     # the loop's forward / backward / optimizer spans join the same trace.
     tracer = engine.tracer
-    tracer.record_step(plan.trace_step if plan.trace else None)
-    report = Reporter(plan, rank, engine, num_params) if rank == 0 else None
-    tokens_per_step = plan.batch_size * plan.seq_len
+    tracer.record_step(run.trace_step if run.trace else None)
+    report = Reporter(run, rank, engine, num_params) if rank == 0 else None
+    tokens_per_step = run.batch_size * run.seq_len
     # data is split over the data-parallel axis: the tensor-parallel ranks of one dp row must see the same
     # batch (parallel.tensor > 1); without tensor parallelism these are the rank and the world size
     data_rank, data_world = engine.rank, engine.world_size
     clip = config.schedule.clip_grad_norm
-    interrupted, steps_done, saved_at = False, plan.start_step, plan.start_step
+    interrupted, steps_done, saved_at = False, run.start_step, run.start_step
     try:
-        for step in range(plan.start_step, plan.steps):
+        for step in range(run.start_step, run.steps):
             t0 = time.perf_counter()
             extra = {"lr": optimizer.param_groups[0]["lr"]}
             loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-            micro_batches = train_set.micro_batches(step, plan.batch_size, plan.seed, data_rank, data_world,
-                                                    plan.accum)
+            micro_batches = train_set.micro_batches(step, run.batch_size, run.seed, data_rank, data_world,
+                                                    run.accum)
             for micro, (input_ids, labels) in enumerate(micro_batches):
                 input_ids, labels = input_ids.to(device), labels.to(device)
                 with tracer.span("forward", step=step, micro=micro):
                     loss = loss_fn(model, input_ids, labels)
                 with tracer.span("backward", step=step, micro=micro):
-                    (loss / plan.accum).backward()
+                    (loss / run.accum).backward()
                 loss_sum += loss.detach().float()
             # (the engine ends the recording inside step(): this span is then dropped, and the
             # engine's own optimizer events stand for it)
@@ -108,40 +108,40 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
                 optimizer.step()
                 optimizer.zero_grad()
             scheduler.step()
-            loss_mean, stop_now = _mean_and_stop(loss_sum / plan.accum, stop, world_size, device)
+            loss_mean, stop_now = _mean_and_stop(loss_sum / run.accum, stop, world_size, device)
             step_s = time.perf_counter() - t0
             steps_done = step + 1
             if not math.isfinite(loss_mean):
                 # the mean over ranks: every rank sees it and stops here, none is left in a collective
                 raise RankError(f"loss is {loss_mean} at step {step}: training diverged; lower --lr "
-                                f"(now {plan.config['optimizer']['lr']:g})")
+                                f"(now {run.config['optimizer']['lr']:g})")
             if report is not None:   # before evaluation, whose gathers are no part of the step
                 extra.update(engine_metrics(engine, step_s))
-            if plan.trace is not None and step == plan.trace_step:
-                _dump_trace(tracer, plan.trace, rank, world_size)
-            if val_set is not None and plan.eval_every and (steps_done % plan.eval_every == 0
-                                                            or steps_done == plan.steps):
-                extra["val_loss"] = evaluate(model, loss_fn, val_set, plan, data_rank, data_world, device)
+            if run.trace is not None and step == run.trace_step:
+                _dump_trace(tracer, run.trace, rank, world_size)
+            if val_set is not None and run.eval_every and (steps_done % run.eval_every == 0
+                                                            or steps_done == run.steps):
+                extra["val_loss"] = evaluate(model, loss_fn, val_set, run, data_rank, data_world, device)
                 extra["val_perplexity"] = math.exp(min(extra["val_loss"], 700.0))
                 if report is not None:
                     report.say(f"step {steps_done}: val loss {extra['val_loss']:.4f}, "
                                f"perplexity {extra['val_perplexity']:.2f}")
-            if plan.sample_every and steps_done % plan.sample_every == 0:
-                text = sample_text(model, tokenizer, train_set, plan, world_size, device, steps_done)
+            if run.sample_every and steps_done % run.sample_every == 0:
+                text = sample_text(model, tokenizer, train_set, run, world_size, device, steps_done)
                 if report is not None:
                     report.say(f"step {steps_done} sample: {text!r}")
-            if "val_loss" in extra or (plan.sample_every and steps_done % plan.sample_every == 0):
+            if "val_loss" in extra or (run.sample_every and steps_done % run.sample_every == 0):
                 engine.stats.reset()   # their gathers and forward time would count into the next step's stats
             if report is not None:
                 report.step(step, loss_mean, step_s, tokens_per_step, world_size, extra)
             if stop_now:
-                interrupted = steps_done < plan.steps
+                interrupted = steps_done < run.steps
                 break
-            if plan.save_dir and plan.save_every and steps_done % plan.save_every == 0 and steps_done < plan.steps:
-                _save(plan, model, optimizer, scheduler, steps_done, report)
+            if run.save_dir and run.save_every and steps_done % run.save_every == 0 and steps_done < run.steps:
+                _save(run, model, optimizer, scheduler, steps_done, report)
                 saved_at = steps_done
-        if plan.save_dir and steps_done > saved_at:   # the end of the run, or the step a Ctrl-C let finish
-            _save(plan, model, optimizer, scheduler, steps_done, report)
+        if run.save_dir and steps_done > saved_at:   # the end of the run, or the step a Ctrl-C let finish
+            _save(run, model, optimizer, scheduler, steps_done, report)
     finally:
         engine.close()
         if report is not None:
@@ -150,36 +150,36 @@ def _train(plan: Plan, rank: int, world_size: int, stop) -> TrainResult:
     return TrainResult(rank, world_size, interrupted, summary)
 
 
-def _build(plan: Plan, config: Config) -> tuple:
+def _build(run: TrainRun, config: Config) -> tuple:
     """The model on the meta device, initialized unit by unit; (model, optimizer, loss_fn, parameter count)."""
     import infinity
 
-    if plan.model.kind == "hf":
-        model, loss_fn = build_model(plan.model, plan.seq_len)   # built whole by transformers
+    if run.model.kind == "hf":
+        model, loss_fn = build_model(run.model, run.seq_len)   # built whole by transformers
         num_params = sum(p.numel() for p in model.parameters())
         return (*infinity.initialize(model, config), loss_fn, num_params)
     # never whole: built on the meta device, each unit materialized by the engine straight into its
     # shards' home tiers (a 3b GPT would otherwise need 12 GB of fp32 on every rank first); a pretrained
     # model's units are filled from its safetensors files the same way
     with torch.device("meta"):
-        model, loss_fn = build_model(plan.model, plan.seq_len)
+        model, loss_fn = build_model(run.model, run.seq_len)
     num_params = sum(p.numel() for p in model.parameters())
-    if plan.model.kind == "pretrained":
+    if run.model.kind == "pretrained":
         from infinity.models.pretrained import SafetensorsWeights
-        init_fn = SafetensorsWeights(plan.model.name, model)
+        init_fn = SafetensorsWeights(run.model.name, model)
     else:
         init_fn = unit_init_fn(model)
     return (*infinity.initialize(model, config, init_fn=init_fn), loss_fn, num_params)
 
 
-def _resume(plan: Plan, model, optimizer, scheduler) -> None:
+def _resume(run: TrainRun, model, optimizer, scheduler) -> None:
     """Model, optimizer, loss scaler and this rank's RNG from the checkpoint; then the LR schedule's position."""
     import infinity
 
-    infinity.load_checkpoint(plan.resume, model, optimizer)
-    lr = plan.config["optimizer"]["lr"]
-    scheduler.load_state_dict(plan.lr_scheduler_state)
-    if plan.lr_override:   # --lr on resume: the schedule continues from the new base
+    infinity.load_checkpoint(run.resume, model, optimizer)
+    lr = run.config["optimizer"]["lr"]
+    scheduler.load_state_dict(run.lr_scheduler_state)
+    if run.lr_override:   # --lr on resume: the schedule continues from the new base
         scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
     # the lr of the next step, from the (maybe changed) schedule: base * factor, as LambdaLR computes it
     for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
@@ -187,15 +187,15 @@ def _resume(plan: Plan, model, optimizer, scheduler) -> None:
         group["lr"] = base * fn(scheduler.last_epoch)
 
 
-def _save(plan: Plan, model, optimizer, scheduler, steps_done: int, report) -> None:
+def _save(run: TrainRun, model, optimizer, scheduler, steps_done: int, report) -> None:
     import infinity
 
-    job = {"version": JOB_VERSION, "next_step": steps_done, "steps": plan.steps, "model": plan.model.text,
-           "seed": plan.seed, "batch_size": plan.batch_size, "seq_len": plan.seq_len, "accum": plan.accum,
-           "data": plan.data, "corpus_bytes": plan.corpus_bytes, "tokenizer": plan.tokenizer,
-           "val_fraction": plan.val_fraction, "schedule": plan.config["schedule"],
+    job = {"version": JOB_VERSION, "next_step": steps_done, "steps": run.steps, "model": run.model.text,
+           "seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "accum": run.accum,
+           "data": run.data, "corpus_bytes": run.corpus_bytes, "tokenizer": run.tokenizer,
+           "val_fraction": run.val_fraction, "schedule": run.config["schedule"],
            "lr_scheduler": scheduler.state_dict()}
-    path = infinity.save_checkpoint(plan.save_dir, model, optimizer, step=steps_done, keep_last=plan.keep_last,
+    path = infinity.save_checkpoint(run.save_dir, model, optimizer, step=steps_done, keep_last=run.keep_last,
                                     client_state={JOB_KEY: job})
     if report is not None:
         report.checkpoint = str(path)

@@ -8,7 +8,7 @@ import sys
 import time
 
 from infinity.config import format_size
-from infinity.train.plan import Plan
+from infinity.train.resolve import TrainRun
 
 __all__ = ["Reporter", "engine_metrics", "memory_line"]
 
@@ -16,8 +16,8 @@ __all__ = ["Reporter", "engine_metrics", "memory_line"]
 class Reporter:
     """Rank 0: the per-step metrics line, the progress bar and the summary."""
 
-    def __init__(self, plan: Plan, rank: int, engine, num_params: int):
-        self.plan, self.engine, self.num_params = plan, engine, num_params
+    def __init__(self, run: TrainRun, rank: int, engine, num_params: int):
+        self.run, self.engine, self.num_params = run, engine, num_params
         self.losses: list = []
         self.rates: list = []
         self.val_losses: list = []       # (step, loss)
@@ -25,11 +25,11 @@ class Reporter:
         self.memory: dict | None = None  # the memory report of the step with the highest peak RSS
         self.t_start = time.perf_counter()
         # a resumed run appends: one metrics file holds the whole run
-        self.metrics = open(plan.metrics, "a" if plan.start_step else "w") if plan.metrics else None
+        self.metrics = open(run.metrics, "a" if run.start_step else "w") if run.metrics else None
         self.bar = None
-        if plan.progress:
+        if run.progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=plan.steps, initial=plan.start_step, desc="train", unit="step", file=sys.stderr,
+            self.bar = tqdm(total=run.steps, initial=run.start_step, desc="train", unit="step", file=sys.stderr,
                             dynamic_ncols=True)
 
     def say(self, line: str) -> None:
@@ -68,21 +68,21 @@ class Reporter:
             self.bar.close()
 
     def summary(self, steps_done: int, world_size: int, interrupted: bool) -> dict:
-        cfg = self.plan.config
+        cfg = self.run.config
         later = self.rates[1:] or self.rates   # step 0 also records the gather order and warms allocators
         return {
-            "model": self.plan.model.text, "schedule": cfg.get("schedule"), "num_params": self.num_params, "world_size": world_size,
+            "model": self.run.model.text, "schedule": cfg.get("schedule"), "num_params": self.num_params, "world_size": world_size,
             "stage": cfg["zero"]["stage"], "param_dtype": cfg["precision"]["param_dtype"],
-            "offload": cfg["offload"], "steps": steps_done, "steps_requested": self.plan.steps,
-            "interrupted": interrupted, "batch_size": self.plan.batch_size, "seq_len": self.plan.seq_len,
-            "accum": self.plan.accum, "lr": cfg["optimizer"]["lr"],
+            "offload": cfg["offload"], "steps": steps_done, "steps_requested": self.run.steps,
+            "interrupted": interrupted, "batch_size": self.run.batch_size, "seq_len": self.run.seq_len,
+            "accum": self.run.accum, "lr": cfg["optimizer"]["lr"],
             "first_loss": self.losses[0] if self.losses else None,
             "last_loss": self.losses[-1] if self.losses else None,
             "tokens_per_s": sum(later) / len(later) if later else None,
             "elapsed_s": time.perf_counter() - self.t_start,
-            "metrics": self.plan.metrics, "trace": self.plan.trace,
-            "data": self.plan.data or "python-stdlib", "swap_dir": self.plan.swap_dir,
-            "start_step": self.plan.start_step, "resumed_from": self.plan.resume,
+            "metrics": self.run.metrics, "trace": self.run.trace,
+            "data": self.run.data or "python-stdlib", "swap_dir": self.run.swap_dir,
+            "start_step": self.run.start_step, "resumed_from": self.run.resume,
             "val_loss": self.val_losses[-1][1] if self.val_losses else None,
             "val_perplexity": _perplexity(self.val_losses[-1][1]) if self.val_losses else None,
             "val_losses": self.val_losses, "checkpoint": self.checkpoint,

@@ -84,16 +84,16 @@ def generate(model, prompt: list, tokens: int, max_len: int, *, temperature: flo
         model.train(was_training)
 
 
-def sample_text(model, tokenizer, train_set, plan, world_size: int, device, step: int) -> str:
-    """In training: continue the first 16 tokens of the data for ``plan.sample_tokens`` (every rank calls it)."""
+def sample_text(model, tokenizer, train_set, run, world_size: int, device, step: int) -> str:
+    """In training: continue the first 16 tokens of the data for ``run.sample_tokens`` (every rank calls it)."""
     prompt = [int(t) for t in train_set.tokens[:16]]
-    gen = torch.Generator().manual_seed(plan.seed * 1_000_003 + step)   # never the training RNG
+    gen = torch.Generator().manual_seed(run.seed * 1_000_003 + step)   # never the training RNG
 
     def from_rank0(t):
         dist.broadcast(t, src=0)
         return t
 
-    ids = generate(model, prompt, plan.sample_tokens, plan.seq_len, generator=gen, device=device,
+    ids = generate(model, prompt, run.sample_tokens, run.seq_len, generator=gen, device=device,
                    vocab_limit=_vocab_limit(tokenizer),
                    sync=from_rank0 if world_size > 1 else None)
     return decode(prompt + ids, tokenizer)

@@ -1,6 +1,6 @@
 """The run's tokenizer: a local ``transformers`` tokenizer directory (nothing is downloaded), or byte tokens.
 
-One loader for the three places that need it: the plan (checked in the
+One loader for the three places that need it: the run (checked in the
 launching process, before any rank starts), each rank (tokenizing ``--data``
 and decoding ``--sample-every`` samples) and ``infinity sample`` (the run's
 tokenizer, named in its job state). Each failure is a :class:`TrainError`

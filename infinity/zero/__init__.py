@@ -1,9 +1,11 @@
-"""ZeRO stages 0-3 over flat units: layout, collectives, hooks and the engine."""
+"""ZeRO stages 0-3 over flat units: the engine and what a step is made of.
 
-from infinity.zero.collectives import Collectives, LocalCollectives, make_collectives
+Units and their shards, placement, gathers, gradient reduction, the update and
+the step's lifecycle; collectives are :mod:`infinity.comm`'s, tensor parallel
+layers :mod:`infinity.parallel`'s.
+"""
+
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.optimizer import ZeroAdamW
-from infinity.zero.units import FlatUnit, TensorClass, UnitShard, UnitState
 
-__all__ = ["ZeroEngine", "ZeroAdamW", "FlatUnit", "UnitShard", "UnitState", "TensorClass", "Collectives",
-           "LocalCollectives", "make_collectives"]
+__all__ = ["ZeroEngine", "ZeroAdamW"]

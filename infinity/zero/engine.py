@@ -57,7 +57,7 @@ from infinity.store.budget import resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
-from infinity.zero.collectives import Collectives, make_collectives
+from infinity.comm.collectives import Collectives, make_collectives
 from infinity.zero.gathers import UnitGathers
 from infinity.zero.grads import GradReducer
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
@@ -66,12 +66,12 @@ from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory
 from infinity.zero.placement import Placement
 from infinity.zero.stats import EngineStats
-from infinity.zero.tp_norm import TensorParallelNorm
+from infinity.parallel.norm import TensorParallelNorm
 from infinity.zero.store_shard import store_shards
 from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
                                  shard_align_numel)
 from infinity.zero.update import ShardUpdate
-from infinity.zero.zeropp import ZeroPlusPlus
+from infinity.comm.zeropp import ZeroPlusPlus
 
 __all__ = ["ZeroEngine", "DTYPES"]
 
@@ -94,7 +94,7 @@ class ZeroEngine:
         self.placement = Placement.from_config(config)
         self.coll = collectives if collectives is not None else make_collectives()
         self.rank, self.world_size = self.coll.rank, self.coll.world_size   # on the data-parallel axis
-        # tensor parallelism (infinity.zero.tensor_parallel): the engine shards this rank's tp-local
+        # tensor parallelism (infinity.parallel.tensor_parallel): the engine shards this rank's tp-local
         # parameters over the dp group only; the store, trace and checkpoints use the global rank
         self.tp = tensor_parallel
         self.world_rank = mesh.world_rank if mesh is not None else self.rank

@@ -8,7 +8,7 @@ the store). Gathered bytes are capped by ``prefetch.max_live_bytes``
 (:mod:`infinity.zero.live_units`): a gather for use releases units gathered
 ahead or kept for backward first, a gather ahead only starts if it fits.
 
-ZeRO++ (:mod:`infinity.zero.zeropp`) changes how a gather moves bytes, not
+ZeRO++ (:mod:`infinity.comm.zeropp`) changes how a gather moves bytes, not
 when it happens: with qwZ the shard travels block-quantized, with hpZ a
 unit's backward gather reads the secondary shards its forward left inside the
 node (kept in :meth:`UnitGathers.after_forward`, dropped in

@@ -31,7 +31,7 @@ import collections
 
 import torch
 
-from infinity.zero.collectives import LocalCollectives
+from infinity.comm.collectives import LocalCollectives
 from infinity.zero.units import TensorClass
 
 __all__ = ["GradReducer", "MAX_INFLIGHT"]
@@ -162,7 +162,7 @@ class GradReducer:
 
     def _reduce_scatter(self, unit, out: torch.Tensor, then):
         """Launch ``out`` <- this rank's shard of the mean of every rank's ``unit.full_grad``: plain, or
-        qgZ's quantized all-to-alls (:mod:`infinity.zero.zeropp`); ``then`` runs when it is waited on."""
+        qgZ's quantized all-to-alls (:mod:`infinity.comm.zeropp`); ``then`` runs when it is waited on."""
         if self.zeropp is not None and self.zeropp.quantize_grads:
             return self.zeropp.reduce_scatter(unit, out, unit.full_grad, then)
         return self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True, then=then)

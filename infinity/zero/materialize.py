@@ -150,7 +150,7 @@ def materialize_steps(model: nn.Module, unit_modules: list, init_fn: Callable | 
     order (so with the values) of :func:`place_units`; yields each step's module once it is initialized.
 
     Tensor parallelism consumes it: each split layer is sliced as soon as its step has run
-    (:func:`~infinity.zero.tensor_parallel.apply_plan`), so one unit at a time is whole, as here
+    (:func:`~infinity.parallel.tensor_parallel.apply_plan`), so one unit at a time is whole, as here
     without TP; what stays is this rank's slices plus the replicated parameters.
     """
     check_no_meta(model)

@@ -55,9 +55,9 @@ _MOVES = Transitions("overlapped step", {
 class OverlappedStep:
     """The engine side of an overlapped step: which units are final, when the pipeline starts.
 
-    ``build_jobs(unit)`` makes one unit's :class:`~infinity.optim.offload_pipeline.ShardJob` s (one per chunk);
+    ``build_jobs(unit)`` makes one unit's :class:`~infinity.optim.pipeline.ShardJob` s (one per chunk);
     ``begin_step()`` fixes the step's hyper-parameters, starts the engine's pipeline and returns
-    it (an :class:`~infinity.optim.offload_pipeline.AdamPipeline`).
+    it (an :class:`~infinity.optim.pipeline.AdamPipeline`).
     """
 
     def __init__(self, rank: int, build_jobs: Callable, begin_step: Callable):

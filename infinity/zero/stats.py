@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from infinity.zero.collectives import CommCounters
+from infinity.comm.collectives import CommCounters
 
 __all__ = ["EngineStats"]
 
@@ -14,7 +14,7 @@ class EngineStats:
 
     ``last_step`` keys: ``forward_s``, ``backward_s``, ``step_s``, ``comm_wait_s``,
     ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes / intra_node_bytes /
-    cross_node_bytes per kind; see :mod:`infinity.zero.collectives`),
+    cross_node_bytes per kind; see :mod:`infinity.comm.collectives`),
     ``steps`` (optimizer steps so far, skipped ones included); the engine adds
     ``live_peak_bytes`` (stage 3: high-water mark of gathered parameter bytes, what
     ``prefetch.max_live_bytes`` caps) and ``live_cap_releases`` (units released to stay under it).

@@ -253,7 +253,7 @@ class UnitShard:
         return [None]
 
     def job_field(self, cls: TensorClass, chunk: int = 0):
-        """What the optimizer :class:`~infinity.optim.offload_pipeline.ShardJob` of chunk ``chunk``
+        """What the optimizer :class:`~infinity.optim.pipeline.ShardJob` of chunk ``chunk``
         takes for ``cls``: a store key, or the in-memory tensor."""
         return self.get(cls)
 

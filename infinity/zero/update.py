@@ -1,9 +1,9 @@
 """The optimizer update: every unit shard one job through one pipeline, wherever it lives.
 
-Each unit's shard becomes a :class:`~infinity.optim.offload_pipeline.ShardJob`
+Each unit's shard becomes a :class:`~infinity.optim.pipeline.ShardJob`
 whose fields are in-memory tensors or store keys (the shard says which,
 :meth:`UnitShard.job_field`), and every job runs through the same
-:class:`~infinity.optim.offload_pipeline.AdamPipeline`: swap-in of the next
+:class:`~infinity.optim.pipeline.AdamPipeline`: swap-in of the next
 shard, :class:`~infinity.optim.cpu_adam.CpuAdamW` on this one, write-back of the
 last. In-memory fields simply pass through the swap-in and write-back. The
 engine owns this data movement; the optimizer only holds hyper-parameters.
@@ -28,7 +28,7 @@ import contextlib
 import os
 
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
-from infinity.optim.offload_pipeline import AdamPipeline, ShardJob
+from infinity.optim.pipeline import AdamPipeline, ShardJob
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.overlap import OverlappedStep
 from infinity.zero.units import TensorClass

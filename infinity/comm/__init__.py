@@ -1,0 +1,16 @@
+"""Collectives with byte accounting, and ZeRO++'s variants of them.
+
+- :mod:`~infinity.comm.collectives`: :class:`Collectives` over a process group (or
+  :class:`LocalCollectives` for one process), each call counting the bytes it moves,
+  split into intra- and cross-node bytes by the node layout.
+- :mod:`~infinity.comm.quantize`: block-wise int8 / int4 quantization of a flat tensor.
+- :mod:`~infinity.comm.zeropp`: ZeRO++ (qwZ quantized weight gathers, hpZ node-local
+  secondary shards, qgZ quantized hierarchical gradient reduction), supplying gather
+  and reduce callables with the plain collectives' signatures.
+
+Imports nothing above ``infinity.config``.
+"""
+
+from infinity.comm.collectives import Collectives, CommCounters, LocalCollectives, make_collectives
+
+__all__ = ["Collectives", "LocalCollectives", "CommCounters", "make_collectives"]

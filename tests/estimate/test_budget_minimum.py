@@ -1,0 +1,97 @@
+"""``initialize`` refuses tier budgets a step cannot run in, naming the minimum, before writing anything.
+
+The minimum is tight: at exactly the reported bytes the model trains, 4 KiB
+less is refused (so the error never asks for more than is needed). ``infinity
+estimate`` prints the same minimum, from the model laid out on the meta device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import Config, ConfigError
+from infinity.estimate.peak_rss import bound_for_model
+from infinity.models import GPT, GPTConfig
+from infinity.store import Tier
+
+PLACEMENTS = [
+    (3, "fp32", dict(params="nvme", grads="nvme", optimizer="nvme")),
+    (3, "bf16", dict(params="nvme", grads="nvme", optimizer="nvme")),
+    (3, "bf16", dict(params="host", grads="nvme", optimizer="nvme")),
+    (2, "bf16", dict(params="none", grads="nvme", optimizer="nvme")),
+    (1, "fp32", dict(params="none", grads="none", optimizer="nvme")),
+    (3, "fp32", dict(params="none", grads="host", optimizer="host")),
+]
+
+
+MODEL = GPTConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=512, block_size=32)
+
+
+def _model():
+    torch.manual_seed(0)
+    return GPT(MODEL)
+
+
+def _config(path, host, device, stage, dtype, offload):
+    return {"zero": {"stage": stage}, "precision": {"param_dtype": dtype}, "offload": offload,
+            "tiers": {"host_bytes": host, "device_bytes": device, "nvme_path": str(path)},
+            "prefetch": {"bytes": 0}}
+
+
+def _minimum(path, stage, dtype, offload) -> dict:
+    model, _ = infinity.initialize(_model(), _config(path, "1GiB", "1GiB", stage, dtype, offload))
+    engine = infinity.engine_of(model)
+    try:
+        need = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
+                                            engine.reduce_dtype.itemsize)
+    finally:
+        engine.close()
+    return {tier: max(least, 4096) for tier, (least, _) in need.items()}
+
+
+@pytest.mark.parametrize("stage,dtype,offload", PLACEMENTS)
+def test_trains_at_the_minimum_and_is_refused_below_it(tmp_path, stage, dtype, offload):
+    need = _minimum(tmp_path / "probe", stage, dtype, offload)
+    assert need[Tier.HOST] > 4096
+    model, opt = infinity.initialize(_model(), _config(tmp_path / "ok", need[Tier.HOST], need[Tier.DEVICE],
+                                                       stage, dtype, offload))
+    try:
+        for step in range(2):
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        infinity.engine_of(model).close()
+
+    swap = tmp_path / "refused"
+    with pytest.raises(ConfigError, match=r"tiers.host_bytes = \d+ bytes .* is below the (\d+) bytes") as e:
+        infinity.initialize(_model(), _config(swap, need[Tier.HOST] - 4096, need[Tier.DEVICE], stage, dtype,
+                                              offload))
+    assert f"below the {need[Tier.HOST]} bytes" in str(e.value) and "Set tiers.host_bytes to at least" in str(e.value)
+    assert not swap.exists() or not os.listdir(swap), "a refused initialize wrote a swap file"
+    if need[Tier.DEVICE] > 4096:   # stage 3 with stored parameters: the gather's device copy
+        with pytest.raises(ConfigError, match=rf"tiers.device_bytes = .* is below the {need[Tier.DEVICE]} bytes"):
+            infinity.initialize(_model(), _config(swap, need[Tier.HOST], need[Tier.DEVICE] - 4096, stage, dtype,
+                                                  offload))
+
+
+@pytest.mark.parametrize("stage,dtype,offload", PLACEMENTS)
+def test_the_estimate_names_the_minimum_initialize_enforces(tmp_path, stage, dtype, offload):
+    conf = _config(tmp_path / "probe", "1GiB", "1GiB", stage, dtype, offload)
+    _, estimated = bound_for_model(lambda: GPT(MODEL), Config.from_dict(conf), baseline_bytes=0)
+    model, _ = infinity.initialize(_model(), conf)
+    engine = infinity.engine_of(model)
+    try:
+        enforced = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
+                                                engine.reduce_dtype.itemsize)
+    finally:
+        engine.close()
+    assert estimated == enforced   # bytes and the reason, per tier
+    least = estimated[Tier.HOST][0]
+    with pytest.raises(ConfigError, match=rf"is below the {least} bytes"):
+        infinity.initialize(_model(), _config(tmp_path / "refused", least - 1, "1GiB", stage, dtype, offload))
