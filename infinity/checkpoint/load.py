@@ -106,8 +106,8 @@ def _owned(engine, unit) -> tuple:
 
 def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
     """This rank's shard of ``unit``; ``resplit_from``: the checkpoint, saved at other tensor-parallel ways."""
-    if engine.stage == 3 and unit.state is not UnitState.SHARDED:
-        engine.release(unit)  # a gathered full buffer would go stale once the shard changes
+    if engine.policy.shard_params and unit.state is not UnitState.SHARDED:
+        engine.gathers.release(unit)  # a gathered full buffer would go stale once the shard changes
     lo, hi = _owned(engine, unit)
     shard = unit.shard
     tp_rank = engine.tp.rank if engine.tp is not None else 0
@@ -128,7 +128,7 @@ def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
     with torch.no_grad():
         if param is not master:
             param.copy_(master)  # the compute-dtype shard is always the master rounded (as after a step)
-        if engine.stage in (1, 2):
+        if engine.policy.gather_after_step:
             # parameters are views of the full buffer: every rank's new shard must reach every rank
             engine.refresh_full_param(unit)
 

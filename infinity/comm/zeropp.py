@@ -53,8 +53,9 @@ import torch
 
 from infinity.config import ConfigError, ZeroPPConfig
 from infinity.comm.quantize import BlockQuantizer
+from infinity.comm.unit_collectives import UnitCollectives
 
-__all__ = ["ZeroPlusPlus", "resolve_ranks_per_node"]
+__all__ = ["ZeroPlusPlus", "resolve_ranks_per_node", "set_node_layout"]
 
 
 def resolve_ranks_per_node(value, world_size: int) -> int:
@@ -70,24 +71,32 @@ def resolve_ranks_per_node(value, world_size: int) -> int:
     return value
 
 
-class ZeroPlusPlus:
-    """This rank's ZeRO++ state: the node layout, the quantizers, the mesh groups and the secondary shards.
+def set_node_layout(cfg: ZeroPPConfig, coll) -> int:
+    """Give ``coll``'s byte counters the node layout (``zeropp.ranks_per_node``), whether or not a ZeRO++
+    switch is on; returns the ranks per node."""
+    ranks_per_node = resolve_ranks_per_node(cfg.ranks_per_node, coll.world_size)
+    coll.set_ranks_per_node(ranks_per_node)
+    return ranks_per_node
 
-    Built by the engine for every config (with every switch off it only sets the
-    node layout of the byte counters); the gather and reduce paths consult
-    :attr:`quantize_weights`, :attr:`hierarchical` and :attr:`quantize_grads`.
+
+class ZeroPlusPlus(UnitCollectives):
+    """ZeRO++'s per-unit collectives: the quantizers, the node mesh groups and the secondary shards.
+
+    The same interface as the plain :class:`~infinity.comm.unit_collectives.UnitCollectives`; the
+    engine builds this one when a ``zeropp`` switch is on. ``shard_params``: stage 3 (qwZ and hpZ
+    act on parameter gathers); ``sharded``: stages 1-3 (qgZ acts on the reduce-scatter).
     """
 
-    def __init__(self, cfg: ZeroPPConfig, coll, stage: int):
-        self.cfg, self.coll = cfg, coll
+    def __init__(self, cfg: ZeroPPConfig, coll, shard_params: bool, sharded: bool):
+        super().__init__(coll)
+        self.cfg = cfg
         self.world_size = coll.world_size
-        self.ranks_per_node = resolve_ranks_per_node(cfg.ranks_per_node, self.world_size)
-        coll.set_ranks_per_node(self.ranks_per_node)
+        self.ranks_per_node = set_node_layout(cfg, coll)
         self.nodes = self.world_size // self.ranks_per_node
         self.local_rank = coll.rank % self.ranks_per_node
-        self.quantize_weights = cfg.quantize_weights and stage == 3
-        self.hierarchical = cfg.hierarchical_partition and stage == 3
-        self.quantize_grads = cfg.quantize_grads and stage >= 1 and self.world_size > 1
+        self.quantize_weights = cfg.quantize_weights and shard_params
+        self.hierarchical = cfg.hierarchical_partition and shard_params
+        self.quantize_grads = cfg.quantize_grads and sharded and self.world_size > 1
         self.weights_q = BlockQuantizer(8, cfg.block_numel) if self.quantize_weights else None
         self.grads_q = BlockQuantizer(cfg.grad_bits, cfg.block_numel) if self.quantize_grads else None
         self.intra = self.cross = None
@@ -108,12 +117,11 @@ class ZeroPlusPlus:
         with qwZ, plain otherwise."""
         secondary = self._secondary.get(unit.index) if self.has_secondary(unit.index) else None
         if secondary is not None:
-            # the all-gather writes the buffer behind autograd's back (see gathers.py)
+            # the all-gather writes the buffer behind autograd's back (see UnitCollectives.all_gather)
             with torch.autograd._unsafe_preserve_version_counter(full):
                 return self.intra.all_gather(full, secondary, async_op=True)
         if not self.quantize_weights or self._exact:
-            with torch.autograd._unsafe_preserve_version_counter(full):
-                return self.coll.all_gather(full, src, async_op=True)
+            return super().all_gather(unit, full, src)
         q, n, numel = self.weights_q, self.world_size, src.numel()
         row = q.quantize(src, what=f"parameter shard of unit {unit.name}", nonfinite="propagate")
         rows = torch.empty(n, row.numel(), dtype=torch.uint8, device=row.device)
@@ -160,8 +168,14 @@ class ZeroPlusPlus:
 
     def reduce_scatter(self, unit, out: torch.Tensor, full: torch.Tensor, then):
         """``out`` <- this rank's shard of the mean over ranks of ``full`` (qgZ, see the module doc); a
-        Pending-like object whose ``wait`` finishes both levels and then runs ``then``."""
+        Pending-like object whose ``wait`` finishes both levels and then runs ``then``. Plain without qgZ."""
+        if not self.quantize_grads:
+            return super().reduce_scatter(unit, out, full, then)
         return _HierarchicalReduce(self, unit.name, out, full, then)
+
+    @property
+    def reduces_in_place(self) -> bool:
+        return super().reduces_in_place and not self.quantize_grads
 
 
 class _HierarchicalReduce:

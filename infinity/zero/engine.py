@@ -24,13 +24,19 @@ One engine for every placement. Where a unit shard's tensors live is the
 consults its ``OffloadPolicy``): in memory (:class:`~infinity.zero.units.UnitShard`)
 or in this rank's tiered store (:class:`~infinity.zero.store_shard.StoreUnitShard`).
 The engine speaks to a shard through a few verbs, so gathering, reduction and
-the update are written once. Parts, each in its own module:
+the update are written once. What the stage keeps sharded is decided once, in
+its :class:`~infinity.zero.stage.StagePolicy`. Parts, each in its own module,
+each built with the few collaborators it uses (never the engine); the engine
+alone drives them, and nothing below calls back up:
 
-- the hooks that drive it from an ordinary forward and ``loss.backward()``
-  (:mod:`~infinity.zero.hooks`); the recorded unit order
+- the hooks that drive it from an ordinary forward and ``loss.backward()``,
+  each calling one verb of the engine (:mod:`~infinity.zero.hooks`); the recorded unit order
   (:class:`~infinity.schedule.prefetch.TracePrefetcher`) that both the
   stage-3 gather-ahead and the store prefetch follow;
-- gradients, hooks to reduced shard (:mod:`~infinity.zero.grads`);
+- stage 3's gathers within the live-bytes cap (:mod:`~infinity.zero.gathers`);
+- gradients, hooks to reduced shard (:mod:`~infinity.zero.grads`); the per-unit
+  collectives are passed in (:class:`~infinity.comm.unit_collectives.UnitCollectives`,
+  or ZeRO++'s with the same signatures);
 - the optimizer update, every shard a job through one pipeline
   (:mod:`~infinity.zero.update`);
 - the step's lifecycle (:mod:`~infinity.zero.lifecycle`), which also says what
@@ -50,28 +56,31 @@ import weakref
 import torch
 import torch.nn as nn
 
+from infinity.comm.collectives import Collectives, make_collectives
+from infinity.comm.unit_collectives import UnitCollectives
+from infinity.comm.zeropp import ZeroPlusPlus, set_node_layout
 from infinity.config import Config
+from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import TensorStore
 from infinity.store.budget import resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
-from infinity.comm.collectives import Collectives, make_collectives
 from infinity.zero.gathers import UnitGathers
 from infinity.zero.grads import GradReducer
+from infinity.zero.hyper import GroupHyper
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
 from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
-from infinity.zero.memory_report import StepMemory
+from infinity.zero.memory_report import StepMemory, rss_bytes
 from infinity.zero.placement import Placement
+from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
-from infinity.parallel.norm import TensorParallelNorm
 from infinity.zero.store_shard import store_shards
 from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
                                  shard_align_numel)
 from infinity.zero.update import ShardUpdate
-from infinity.comm.zeropp import ZeroPlusPlus
 
 __all__ = ["ZeroEngine", "DTYPES"]
 
@@ -81,16 +90,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class ZeroEngine:
     """Built by :func:`infinity.initialize`; owns the units, their shards, the hooks, the update and the stats.
 
-    ``param_groups`` are the optimizer's (the same list: an LR scheduler's changes are seen by the
-    next step); the engine keeps each group's step count (:attr:`group_steps`).
+    ``param_groups`` are the optimizer's group dicts (the same dicts: an LR scheduler's changes are seen
+    by the next step); :attr:`hyper` keeps each group's step count.
     """
 
     def __init__(self, model: nn.Module, config: Config, param_groups: list, collectives=None, device=None,
                  init_fn=None, mesh=None, tensor_parallel=None):
-        self.memory = StepMemory(self)   # first: its baseline is the RSS before any shard (engine.memory_report())
+        baseline_rss_bytes = rss_bytes()   # first: the memory report's baseline is the RSS before any shard
         self.config = config
-        self.stage = config.zero.stage
-        self.reshard_after_forward = config.zero.reshard_after_forward
+        self.policy = StagePolicy.of(config.zero.stage)
+        self.stage = self.policy.stage
         self.placement = Placement.from_config(config)
         self.coll = collectives if collectives is not None else make_collectives()
         self.rank, self.world_size = self.coll.rank, self.coll.world_size   # on the data-parallel axis
@@ -105,13 +114,11 @@ class ZeroEngine:
         self.device = device or next((p.device for p in model.parameters() if not on_meta), torch.device("cpu"))
         self.stats = EngineStats(self.coll.counters)
         self.tracer = Tracer(self.world_rank)
-        self.shard_world = 1 if self.stage == 0 else self.world_size
-        self.shard_rank = 0 if self.stage == 0 else self.rank
+        self.shard_world = self.world_size if self.policy.sharded else 1
+        self.shard_rank = self.rank if self.policy.sharded else 0
         self.phase = StepPhase.IDLE
         self._overflow = False       # fp16: this step's gradients overflowed (known once REDUCED)
-        self.param_groups = param_groups
-        self.group_steps = [0] * len(param_groups)
-        self.skipped_steps = 0
+        self.hyper = GroupHyper(param_groups)
         self.store: TensorStore | None = None
         self._handles: list = []
         self._closed = False
@@ -123,8 +130,9 @@ class ZeroEngine:
         full_bytes = {u.index: u.padded_numel * _itemsize(self.param_dtype) for u in self.units}
         by_name = {u.name: full_bytes[u.index] for u in self.units}
         root_name = next((u.name for u in self.units if u.is_root), None)
+        self._root = next((u for u in self.units if u.is_root), None)
         self.max_live_bytes = resolve_cap(config.prefetch.max_live_bytes, by_name, root_name)
-        if self.stage == 3:   # before materializing: a bad cap fails before any shard is written
+        if self.policy.shard_params:   # before materializing: a bad cap fails before any shard is written
             check_cap(self.max_live_bytes, by_name, root_name)
         self.live = LiveUnits(full_bytes, {u.index: u.name for u in self.units}, self.max_live_bytes)
         self.prefetcher = TracePrefetcher({u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units},
@@ -135,17 +143,13 @@ class ZeroEngine:
             dynamic = config.precision.loss_scale == "dynamic"
             scale = config.precision.initial_loss_scale if dynamic else config.precision.loss_scale
             self.loss_scaler = LossScaler(scale, dynamic, config.precision.loss_scale_window)
-        self.zeropp = ZeroPlusPlus(config.zeropp, self.coll, self.stage)   # node layout; ZeRO++ if switched on
-        self.grads = GradReducer(self.units, self.stage, self.coll, self.reduce_dtype, self.device,
-                                 config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
-                                 zeropp=self.zeropp)
-        if self.tp is not None:
-            tp_norm = TensorParallelNorm(self.units, self.tp, self.shard_rank)
-            self.grads.square_sum = tp_norm.square_sum
-            # the global norm over both axes in one all-reduce (stage 0: dp ranks hold equal gradients)
-            self.grads.norm_coll = self.world_coll if self.stage > 0 else self.tp.coll
-            # fp16: an overflow on any rank skips the step on all, or tp ranks' replicated weights part
-            self.grads.overflow_coll = self.world_coll
+        # how a unit's bytes move: plain, or ZeRO++'s variants with the same signatures; either way the
+        # byte counters get the node layout
+        if config.zeropp.enabled:
+            self.unit_comm = ZeroPlusPlus(config.zeropp, self.coll, self.policy.shard_params, self.policy.sharded)
+        else:
+            set_node_layout(config.zeropp, self.coll)
+            self.unit_comm = UnitCollectives(self.coll)
 
         sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
         if self.placement.any_offload:   # refused before anything is written
@@ -156,19 +160,20 @@ class ZeroEngine:
             if self.placement.any_offload:
                 self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
-            self.update = ShardUpdate(self, config.optimizer)
-            self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
-                                       self.reshard_after_forward, self.rank, self.zeropp)
+            self.update = ShardUpdate(self.units, self.store, self.coll, self.policy, self.shard_rank, self.rank,
+                                      self.hyper, self.tracer, config.optimizer)
+            self.grads = self._build_grads(config)
+            self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
+                                       self.tracer, config.zero.reshard_after_forward, self.rank)
+            self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device.type == "cpu")
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
             self._finalizer = weakref.finalize(self, _release, self.update.pipeline, self.update.adam, self.store)
             with torch.no_grad():
                 meta.place_units(model, self.units, init_fn, self._place_unit, self.device)
             self.grads.build()
-            self.grads.on_launched = self._after_reduce_launched
-            self.grads.on_folded = self.update.unit_final
-            self.grads.with_room = self.update.with_room
-            self._handles = hooks.install(self, model, config.zero.activation_checkpointing)
+            self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
+                                          config.zero.activation_checkpointing)
         except BaseException:
             self.close()
             raise
@@ -182,6 +187,21 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ setup
 
+    def _build_grads(self, config: Config) -> GradReducer:
+        """The gradient path, with the clip norm's and the overflow flag's collectives: the dp group, or
+        with tensor parallelism the whole world (replicated elements weighed once, by the TP norm)."""
+        square_sum, norm_coll, overflow_coll = None, (self.coll if self.policy.sharded else None), self.coll
+        if self.tp is not None:
+            square_sum = TensorParallelNorm(self.units, self.tp, self.shard_rank).square_sum
+            # the global norm over both axes in one all-reduce (stage 0: dp ranks hold equal gradients)
+            norm_coll = self.world_coll if self.policy.sharded else self.tp.coll
+            # fp16: an overflow on any rank skips the step on all, or tp ranks' replicated weights part
+            overflow_coll = self.world_coll
+        return GradReducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
+                           config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
+                           room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
+                           overflow_coll=overflow_coll)
+
     def _place_unit(self, unit, flat32: torch.Tensor) -> None:
         """Broadcast rank 0's values, make parameters views of the full buffer, put this rank's shard home."""
         self.coll.broadcast(flat32, src=0)  # every rank starts from rank 0's weights, as DDP does
@@ -191,7 +211,8 @@ class ZeroEngine:
             p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
         shard = self._new_shard(unit) if self.store else UnitShard()
-        param_shard = full[lo:hi].clone() if self.stage == 3 else full[lo:hi]
+        # stage 3: the shard must own its bytes, the full buffer is freed when the unit is released
+        param_shard = full[lo:hi].clone() if self.policy.shard_params else full[lo:hi]
         shard.put(TensorClass.PARAM, param_shard)
         if self.placement.master_is_param(fp32):
             shard.alias(TensorClass.MASTER, TensorClass.PARAM)
@@ -203,15 +224,15 @@ class ZeroEngine:
         shard.put_zeros(TensorClass.EXP_AVG, unit.shard_numel, torch.float32, self.device)
         shard.put_zeros(TensorClass.EXP_AVG_SQ, unit.shard_numel, torch.float32, self.device)
         unit.shard, unit.full_param = shard, full
-        if self.stage == 3:
-            self.release(unit)
+        if self.policy.shard_params:
+            self.gathers.release(unit)
 
     # ------------------------------------------------------------ the lifecycle
 
     def _go(self, phase: StepPhase) -> None:
         self.phase = STEP_MOVES.check(self.phase, phase, f"rank {self.rank}")
 
-    def settle(self) -> None:
+    def notice_aborted_backward(self) -> None:
         """Notice a backward that raised part-way (its end-of-backward callback never ran): wait out
         what it launched, release what it gathered, and refuse its partial gradients until zero_grad.
         Called at every entry into the engine from outside a backward."""
@@ -221,14 +242,14 @@ class ZeroEngine:
         try:
             self.grads.abort()
         finally:
-            if self.stage == 3:
+            if self.policy.shard_params:
                 self.gathers.release_all()
             self.update.abort_backward()
             self.prefetcher.abandon_step()
             self.stats.stop("backward")
 
     def _require_gradients(self, what: str) -> None:
-        self.settle()
+        self.notice_aborted_backward()
         if self.phase is StepPhase.ABORTED:
             raise RuntimeError(
                 f"{what} on rank {self.rank}: the last backward() raised part-way, so the gradients are partial; "
@@ -238,32 +259,45 @@ class ZeroEngine:
                 f"{what} on rank {self.rank} before any backward() since the last step: there are no "
                 "gradients to apply; call loss.backward() first")
 
-    # ------------------------------------------------------------ stage 3 (see infinity.zero.gathers)
+    # ------------------------------------------------------------ the hooks' verbs (infinity.zero.hooks)
 
-    def gather(self, unit, wait: bool = True) -> None:
-        self.gathers.gather(unit, wait)
+    def root_pre_forward(self, training: bool) -> None:
+        """The model's forward starts: stage 3 gathers the root unit, in use until the end of backward."""
+        self.notice_aborted_backward()
+        self.stats.start("forward")
+        self.memory.forward_begins()   # counts saved activations once memory is enabled
+        if self.policy.shard_params and self._root is not None:
+            self.gathers.use_unit(self._root, training)
 
-    def release(self, unit) -> None:
-        self.gathers.release(unit)
+    def root_post_forward(self, out, training: bool):
+        """The model's forward is done; returns its output (fp16: routed through the loss scale)."""
+        self.memory.forward_ends()
+        if not training:
+            if self.policy.shard_params:   # no backward will follow: nothing may stay gathered
+                for unit in self.units:
+                    self.gathers.release(unit)
+        elif self.loss_scaler is not None:
+            out = hooks.scale_outputs(out, self.loss_scaler.scale)
+        self.stats.stop("forward")
+        return out
 
-    def acquire(self, unit) -> None:
-        self.gathers.acquire(unit)
-
-    def after_forward(self, unit) -> None:
-        self.gathers.after_forward(unit)
-
-    def gather_ahead(self, unit) -> None:
-        self.gathers.gather_ahead(unit)
-
-    def use_unit(self, unit, training: bool) -> None:
+    def unit_pre_forward(self, unit, training: bool) -> None:
         self.gathers.use_unit(unit, training)
 
-    def begin_forward(self) -> None:
-        """The model's forward starts (root pre-hook)."""
-        self.settle()
-        self.stats.start("forward")
+    def unit_post_forward(self, unit, training: bool) -> None:
+        if training:
+            self.gathers.after_forward(unit)
+        else:
+            self.gathers.release(unit)
 
-    # ------------------------------------------------------------ backward
+    def unit_pre_backward(self, unit) -> None:
+        """The unit's backward is about to run: in use until its gradients are reduced (then released)."""
+        self.enter_backward()
+        self.gathers.use_unit(unit, training=True)
+
+    def unit_pre_recompute(self, unit) -> None:
+        """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
+        self.gathers.acquire(unit)
 
     def enter_backward(self) -> None:
         if self.phase is StepPhase.BACKWARD:
@@ -279,22 +313,28 @@ class ZeroEngine:
         # runs once the whole backward pass is done: flush reductions, release stage-3 units
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def param_grad_ready(self, unit, slot, param) -> None:
-        """Post-accumulate-grad hook: the parameter's gradient goes into its unit's flat gradient."""
+    def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None:
+        """Post-accumulate-grad hook: the parameter's gradient goes into its unit's flat gradient; once the
+        unit's reduction is launched, stage 3 releases it."""
         self.enter_backward()
-        self.grads.param_ready(unit, slot, param)
+        unit = self.units[unit_index]
+        if self.grads.param_ready(unit, unit.slots[slot_index], param) and self.policy.shard_params:
+            self.gathers.release(unit)
+        self._hand_final_units()
 
-    def _after_reduce_launched(self, unit) -> None:
-        if self.stage == 3:
-            self.release(unit)
+    def _hand_final_units(self) -> None:
+        """Units whose reduced gradient reached their shard are final: the update may take them (overlap)."""
+        for unit in self.grads.take_folded():
+            self.update.unit_final(unit, self.grads.multiplier)
 
     def _end_backward(self) -> None:
         with self.update.flushing():   # units final in the flush are updated after it (overlap)
             self.grads.flush()
-        if self.stage == 3:
+            self._hand_final_units()
+        if self.policy.shard_params:
             self.gathers.release_all()
         self._go(StepPhase.ACCUMULATED)
-        self.update.end_backward()
+        self.update.end_backward(self.grads.multiplier)
         self.stats.stop("backward")
 
     # ------------------------------------------------------------ the step (driven by the optimizer)
@@ -324,12 +364,13 @@ class ZeroEngine:
         self.stats.start("step")
         if self._finish_grads():
             self.loss_scaler.update(True)
-            self.skipped_steps += 1
+            self.hyper.skipped_steps += 1
             self._end_step()
             return False
         self._go(StepPhase.STEPPING)
         try:
-            self.update.run()
+            self.grads.wait_writes()   # folded gradients still being written are read by the update
+            self.update.run(self.grads.multiplier)
         except BaseException as e:
             self._go(StepPhase.REDUCED)
             self.stats.stop("step")
@@ -339,18 +380,11 @@ class ZeroEngine:
                          "optimizer.step() again to finish this step (updated units are not updated twice), "
                          "or load the last checkpoint.")
             raise
-        for i in range(len(self.group_steps)):
-            self.group_steps[i] += 1
+        self.hyper.count_step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self._end_step()
         return True
-
-    def hyper(self, group: int) -> dict:
-        """Param group ``group``'s AdamW settings for the step being taken (its count is not yet advanced)."""
-        g = self.param_groups[group]
-        return dict(step=self.group_steps[group] + 1, lr=g["lr"], betas=g["betas"], eps=g["eps"],
-                    weight_decay=g["weight_decay"])
 
     def _end_step(self) -> None:
         for unit in self.units:
@@ -359,7 +393,7 @@ class ZeroEngine:
         self._go(StepPhase.IDLE)
         # every rank keeps or re-records the trace together: a rank prefetching along a dropped
         # trace would start all-gathers in an order the others do not, and deadlock
-        if self.stage == 3:
+        if self.policy.shard_params:
             self.prefetcher.end_step(self.coll.all_agree)
         self.stats.stop("step")
         self.stats.end_step()
@@ -369,14 +403,18 @@ class ZeroEngine:
             self.stats.last_step["collectives_world"] = self.world_coll.counters.snapshot()
             self.tp.coll.counters.reset()
             self.world_coll.counters.reset()
-        self.update.end_step(self.stats.last_step)
-        self.memory.end_step()
+        self.update.end_step(self.stats.last_step, self.prefetcher.state.value)
+        if self.memory.enabled:
+            resident = self.resident_bytes()
+            resident.pop("store", None)
+            gathered = self.stats.last_step.get("live_peak_bytes", 0) if self.policy.shard_params else 0
+            self.memory.end_step(sum(resident.values()), gathered)
         self.tracer.end_step()
         self.tracer.begin_step()
 
     def zero_grad(self) -> None:
         """Logically zero every gradient (nothing is cleared now; see :mod:`infinity.zero.grads`)."""
-        self.settle()
+        self.notice_aborted_backward()
         if self.phase is StepPhase.BACKWARD:
             raise RuntimeError(f"zero_grad() on rank {self.rank} during backward")
         if self.phase is StepPhase.STEPPING:
@@ -392,13 +430,13 @@ class ZeroEngine:
 
     def prepare_load(self) -> None:
         """A checkpoint load is about to replace every shard: whatever the step was doing is dropped."""
-        self.settle()
+        self.notice_aborted_backward()
         if self.phase is StepPhase.BACKWARD:
             raise RuntimeError(f"load_checkpoint on rank {self.rank} during backward")
         self.update.abort_step()
         for unit in self.units:
             unit.clear_update()
-        if self.stage == 3:
+        if self.policy.shard_params:
             self.gathers.release_all()
         self.grads.zero()
         if self.phase is not StepPhase.IDLE:
@@ -417,7 +455,7 @@ class ZeroEngine:
         once; stored shards excluded), plus, with a store, its bytes per tier under ``store``, and with
         ZeRO++'s hpZ the secondary parameter shards under ``secondary_params``."""
         out = memory_bytes(self.units, self.grads.arena)
-        out.update(self.zeropp.resident_bytes())
+        out.update(self.unit_comm.resident_bytes())
         if self.store is not None:
             out["store"] = self.store.stats()["tier_bytes"]
         return out
@@ -431,13 +469,13 @@ class ZeroEngine:
         """Every unit's full parameters live inside the block (stage 3 gathers, then releases them).
         Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block; exact
         even with ZeRO++'s qwZ (only the training step's gathers are quantized)."""
-        self.settle()
-        if self.stage != 3:
+        self.notice_aborted_backward()
+        if not self.policy.shard_params:
             yield
             return
-        with self.zeropp.exact_gathers():
+        with self.unit_comm.exact_gathers():
             for unit in self.units:
-                self.gather(unit)
+                self.gathers.gather(unit)
         try:
             yield
         finally:

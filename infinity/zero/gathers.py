@@ -8,10 +8,12 @@ the store). Gathered bytes are capped by ``prefetch.max_live_bytes``
 (:mod:`infinity.zero.live_units`): a gather for use releases units gathered
 ahead or kept for backward first, a gather ahead only starts if it fits.
 
-ZeRO++ (:mod:`infinity.comm.zeropp`) changes how a gather moves bytes, not
-when it happens: with qwZ the shard travels block-quantized, with hpZ a
-unit's backward gather reads the secondary shards its forward left inside the
-node (kept in :meth:`UnitGathers.after_forward`, dropped in
+How a gather moves bytes is the passed-in unit collectives' business
+(:class:`~infinity.comm.unit_collectives.UnitCollectives`, or ZeRO++'s
+:class:`~infinity.comm.zeropp.ZeroPlusPlus` with the same methods), not when it
+happens: with qwZ the shard travels block-quantized, with hpZ a unit's
+backward gather reads the secondary shards its forward left inside the node
+(kept in :meth:`UnitGathers.after_forward`, dropped in
 :meth:`UnitGathers.release_all` at the end of backward).
 
 The recorded unit order (the engine's :class:`TracePrefetcher`) drives both
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from infinity.store import BudgetError
 from infinity.zero.live_units import UnitUse
@@ -49,18 +50,17 @@ class UnitGathers:
     """Gather / release of the engine's units. ``update`` says which units the running (overlapped)
     update is writing, which must not be gathered, and waits for host room it holds."""
 
-    def __init__(self, units: list, coll, live, prefetcher, update, tracer, reshard_after_forward: bool, rank: int,
-                 zeropp=None):
-        self.units, self.coll, self.live, self.prefetcher = units, coll, live, prefetcher
+    def __init__(self, units: list, unit_comm, live, prefetcher, update, tracer, reshard_after_forward: bool,
+                 rank: int):
+        self.units, self.unit_comm, self.live, self.prefetcher = units, unit_comm, live, prefetcher
         self.update, self.tracer = update, tracer
         self.reshard_after_forward, self.rank = reshard_after_forward, rank
-        self.zeropp = zeropp   # ZeroPlusPlus: how the bytes move (plain, quantized, or inside the node)
 
     def gather(self, unit, wait: bool = True) -> None:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
         if unit.state is UnitState.SHARDED:
             self.update.check_gather(unit)
-            if self.zeropp is not None and self.zeropp.has_secondary(unit.index):
+            if self.unit_comm.has_secondary(unit.index):
                 src, done = None, None   # hpZ: gathered from the node's secondary shards, not the stored one
             else:
                 src, done = self.update.with_room(unit.shard.param_for_gather)
@@ -68,13 +68,7 @@ class UnitGathers:
             self.live.gathering(unit.index)
             full = unit.full_param
             full.untyped_storage().resize_(unit.padded_numel * full.element_size())
-            if self.zeropp is not None:
-                pending = self.zeropp.all_gather(unit, full, src)   # preserves the version counter too
-            else:
-                # the collective writes the buffer behind autograd's back; without this the
-                # version bump would make saved parameters look modified in-place to backward
-                with torch.autograd._unsafe_preserve_version_counter(full):
-                    pending = self.coll.all_gather(full, src, async_op=True)
+            pending = self.unit_comm.all_gather(unit, full, src)   # keeps autograd's version counter
             unit.gather = _Gather(pending, done, time.perf_counter())
         if wait and unit.state is UnitState.GATHERING:
             g, unit.gather = unit.gather, None
@@ -102,8 +96,7 @@ class UnitGathers:
         shards, kept for this backward, are dropped too."""
         for unit in self.units:
             self.release(unit)
-        if self.zeropp is not None:
-            self.zeropp.drop_secondaries()
+        self.unit_comm.drop_secondaries()
 
     def acquire(self, unit) -> None:
         """Gather ``unit`` for use now (its forward or backward; the root's whole step). It stays in use,
@@ -120,8 +113,8 @@ class UnitGathers:
         """A unit's forward is done: release it (``reshard_after_forward``), or keep it gathered for its
         backward, where the cap may release it (its backward then gathers it again)."""
         if self.reshard_after_forward:
-            if self.zeropp is not None and unit.state is UnitState.GATHERED:
-                self.zeropp.keep_secondary(unit)   # hpZ: the backward gathers inside the node
+            if unit.state is UnitState.GATHERED:
+                self.unit_comm.keep_secondary(unit)   # hpZ: the backward gathers inside the node
             self.release(unit)
         elif unit.state is not UnitState.SHARDED:
             self.live.set_use(unit.index, UnitUse.KEPT)
@@ -144,7 +137,7 @@ class UnitGathers:
         for index in fetch:
             if self.update.updating(index):
                 continue   # Adam is writing its shard (a trace from another step's order): no use this step
-            if self.zeropp is not None and self.zeropp.has_secondary(index):
+            if self.unit_comm.has_secondary(index):
                 continue   # hpZ: its backward gathers from the secondary shards, the stored one is not read
             try:
                 self.units[index].shard.prefetch_param()

@@ -31,7 +31,6 @@ import collections
 
 import torch
 
-from infinity.comm.collectives import LocalCollectives
 from infinity.zero.units import TensorClass
 
 __all__ = ["GradReducer", "MAX_INFLIGHT"]
@@ -51,15 +50,31 @@ class _Bucket:
         self.pending = None
 
 
-class GradReducer:
-    """This rank's gradient path. ``on_folded(unit)`` runs once a stage-2/3 unit's reduced gradient
-    is in its shard; ``on_launched(unit)`` once its reduction is launched (stage 3 releases it);
-    ``with_room(attempt)`` runs a store operation that may wait for host room."""
+def _square_sum(unit, grad: torch.Tensor) -> torch.Tensor:
+    return grad.float().pow(2).sum()
 
-    def __init__(self, engine_units: list, stage: int, coll, reduce_dtype: torch.dtype, device,
-                 bucket_bytes: int, shard_rank: int, fp16: bool, zeropp=None):
-        self.units, self.stage, self.coll = engine_units, stage, coll
-        self.zeropp = zeropp   # ZeroPlusPlus: qgZ's quantized reduce-scatter when on
+
+class GradReducer:
+    """This rank's gradient path, built with what it uses:
+
+    - ``policy``: the :class:`~infinity.zero.stage.StagePolicy` (buckets, reduce-scatter at step or in backward);
+    - ``coll``: the data-parallel collectives (stage 0's bucket all-reduce);
+    - ``unit_comm``: the per-unit reduce-scatter (:class:`~infinity.comm.unit_collectives.UnitCollectives`,
+      or ZeRO++'s quantized one, same signature);
+    - ``room(attempt)``: runs a store operation that may have to wait for host room (a fold into a
+      stored gradient shard during an overlapped step);
+    - ``square_sum(unit, grad)``: a unit shard's squared norm for clipping (tensor parallelism weighs
+      replicated elements); ``norm_coll``: where that sum is all-reduced (None: nowhere, stage 0 holds
+      the whole gradient); ``overflow_coll``: every rank that must skip an fp16 step together.
+
+    Units whose reduced gradient is in their shard are collected for the caller (:meth:`take_folded`);
+    :meth:`param_ready` says when a unit's reduction was launched (stage 3 then releases it).
+    """
+
+    def __init__(self, units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device,
+                 bucket_bytes: int, shard_rank: int, fp16: bool, room=None, square_sum=None,
+                 norm_coll=None, overflow_coll=None):
+        self.units, self.policy, self.coll, self.unit_comm = units, policy, coll, unit_comm
         self.reduce_dtype, self.device, self.shard_rank = reduce_dtype, device, shard_rank
         self.fp16 = fp16
         self.arena: torch.Tensor | None = None
@@ -69,26 +84,23 @@ class GradReducer:
         self.writes: list = []              # store futures of folded gradients, waited on before reading
         self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: a folded shard was non-finite
         self.multiplier = 1.0               # unscale x clip coefficient, applied as the optimizer reads
-        self.on_folded = lambda unit: None
-        self.on_launched = lambda unit: None
-        self.with_room = lambda attempt: attempt()
+        self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
+        self.room = room if room is not None else (lambda attempt: attempt())
         self._bucket_bytes = bucket_bytes
         # stages 1-3: the most bytes of full gradients and reduction outputs held at once (the arena of
         # stages 0-1 is not counted here: it is resident); see take_buffer_peak
         self._out_bytes = 0
         self._buffer_peak_bytes = 0
-        # clip: a unit shard's squared gradient norm, and where the sum is all-reduced (None: nowhere,
-        # stage 0 holds the whole reduced gradient); tensor parallelism replaces both (engine)
-        self.square_sum = lambda unit, grad: grad.float().pow(2).sum()
-        self.norm_coll = coll if stage > 0 else None
-        self.overflow_coll = coll   # fp16: every rank that must skip a step together (tp: the whole world)
+        self.square_sum = square_sum if square_sum is not None else _square_sum
+        self.norm_coll = norm_coll
+        self.overflow_coll = overflow_coll if overflow_coll is not None else coll
 
     # ------------------------------------------------------------ layout
 
     def build(self) -> None:
         """Stages 0-1: one arena, units in reverse order (roughly the order backward finishes them),
         so a stage-0 bucket is a contiguous range; stages 2-3: a zero gradient shard per unit."""
-        if self.stage >= 2:
+        if not self.policy.grads_in_arena:
             for unit in self.units:
                 unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
             return
@@ -111,8 +123,9 @@ class GradReducer:
 
     # ------------------------------------------------------------ backward
 
-    def param_ready(self, unit, slot, param) -> None:
-        """Move ``param.grad`` into the unit's full gradient; the unit's last one launches its reduction."""
+    def param_ready(self, unit, slot, param) -> bool:
+        """Move ``param.grad`` into the unit's full gradient; the unit's last one launches its reduction
+        (returns True then)."""
         grad = param.grad
         param.grad = None  # gradients live in the flat buffers; keeping .grad would double the memory
         if unit.full_grad is None:
@@ -127,6 +140,8 @@ class GradReducer:
         unit.grads_pending -= 1
         if unit.grads_pending == 0:
             self._reduce(unit)
+            return True
+        return False
 
     def _new_full_grad(self, unit) -> None:
         """Stage 2/3: a fresh full gradient; only its padding is cleared, slots are written on arrival."""
@@ -145,37 +160,35 @@ class GradReducer:
                     unit.full_grad[slot.offset:slot.offset + slot.numel].zero_()
         unit.unwritten = None
         unit.reduced = True
-        if self.stage == 0:
+        if self.policy.all_reduce_grads:
             self._bucket_of[unit.index].ready += 1
             self._launch_ready_buckets()
-        elif self.stage >= 2:
-            if isinstance(self.coll, LocalCollectives) and not (self.zeropp is not None and self.zeropp.quantize_grads):
+        elif self.policy.reduce_scatter_in_backward:
+            if self.unit_comm.reduces_in_place:
                 out = unit.full_grad   # one rank: the mean is the gradient itself, no second full-size buffer
             else:
                 out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self._note_buffers(out.nbytes)
-            self._inflight.append(self._reduce_scatter(
-                unit, out, then=lambda unit=unit, out=out: self._fold(unit, out)))
+            self._inflight.append(self.unit_comm.reduce_scatter(
+                unit, out, unit.full_grad, then=lambda unit=unit, out=out: self._fold(unit, out)))
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popleft().wait()
-        self.on_launched(unit)
-
-    def _reduce_scatter(self, unit, out: torch.Tensor, then):
-        """Launch ``out`` <- this rank's shard of the mean of every rank's ``unit.full_grad``: plain, or
-        qgZ's quantized all-to-alls (:mod:`infinity.comm.zeropp`); ``then`` runs when it is waited on."""
-        if self.zeropp is not None and self.zeropp.quantize_grads:
-            return self.zeropp.reduce_scatter(unit, out, unit.full_grad, then)
-        return self.coll.reduce_scatter(out, unit.full_grad, average=True, async_op=True, then=then)
 
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
         inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
-        write = unit.shard.fold_grad(out, first, inspect, room=self.with_room)
+        write = unit.shard.fold_grad(out, first, inspect, room=self.room)
         if write is not None:
             self.writes.append(write)
         unit.full_grad = None   # the full gradient is dropped once reduced
         self._out_bytes -= out.nbytes
-        self.on_folded(unit)
+        self._folded.append(unit)
+
+    def take_folded(self) -> list:
+        """Units (stages 2-3) whose reduced gradient reached their shard since the last call, in order:
+        their gradient is final for this backward."""
+        out, self._folded = self._folded, []
+        return out
 
     def _copy_out(self, unit, out: torch.Tensor) -> None:
         """Stage 1: a reduce-scatter's output lands in the gradient shard (a view of the arena)."""
@@ -210,7 +223,7 @@ class GradReducer:
 
     def flush(self) -> None:
         """End of backward: units some of whose parameters got no gradient are reduced now, in unit
-        order; every reduction of this backward is waited on."""
+        order; every reduction of this backward is waited on (their units then in :meth:`take_folded`)."""
         for unit in self.units:
             if not unit.reduced:
                 self._reduce(unit)
@@ -236,7 +249,8 @@ class GradReducer:
             self._inflight.clear()
             for bucket in self.buckets:
                 bucket.pending, bucket.ready = None, 0
-            self.settle_writes(raise_errors=False)
+            self.wait_writes(raise_errors=False)
+            self._folded = []
             for unit in self.units:
                 unit.start_backward_pass()
                 if self.arena is None:
@@ -248,23 +262,23 @@ class GradReducer:
     def finish(self, loss_scale: float | None) -> bool:
         """Complete reduction (stage 1: the reduce-scatter) and fold fp16 unscaling into the
         multiplier; returns True if any rank's gradients overflowed."""
-        if self.stage == 1:
+        if self.policy.reduce_scatter_at_step:
             # launched together so the transport pipelines them; each output lands in the grad shard,
             # which is a view of the input, hence the separate output buffer
             pending = collections.deque()
             for unit in self.units:
                 out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self._note_buffers(out.nbytes)
-                pending.append(self._reduce_scatter(unit, out,
-                                                    then=lambda unit=unit, out=out: self._copy_out(unit, out)))
+                pending.append(self.unit_comm.reduce_scatter(
+                    unit, out, unit.full_grad, then=lambda unit=unit, out=out: self._copy_out(unit, out)))
                 while len(pending) > MAX_INFLIGHT:
                     pending.popleft().wait()
             while pending:
                 pending.popleft().wait()
-        self.settle_writes()
+        self.wait_writes()
         if loss_scale is None:
             return False
-        if self.stage < 2:   # in-memory shards: looked at now (stages 2-3 noted them as they were folded)
+        if self.policy.grads_in_arena:   # in-memory shards: looked at now (stages 2-3 noted them when folded)
             for unit in self.units:
                 self._note_non_finite(unit.shard.get(TensorClass.GRAD))
         flag, self._inf_flag = self._inf_flag.to(self.device), torch.zeros(1, dtype=torch.float32)
@@ -289,7 +303,7 @@ class GradReducer:
         self.multiplier *= float(coef)
         return norm
 
-    def settle_writes(self, raise_errors: bool = True) -> None:
+    def wait_writes(self, raise_errors: bool = True) -> None:
         """Wait for folded gradients still being written; a failed write is raised here."""
         writes, self.writes = self.writes, []
         for f in writes:
@@ -302,6 +316,7 @@ class GradReducer:
     def zero(self) -> None:
         """Logically zero every gradient (see the module doc); the multiplier starts again at 1."""
         self.multiplier = 1.0
+        self._folded = []
         self._inf_flag.zero_()
         self._out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
         if self.arena is not None:

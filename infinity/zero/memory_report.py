@@ -62,7 +62,6 @@ import re
 import resource
 import sys
 import threading
-import weakref
 
 import psutil
 import torch
@@ -188,11 +187,14 @@ class SavedTensorMeter:
 
 
 class StepMemory:
-    """The engine's per-step memory report (module doc). Holds the engine weakly."""
+    """The engine's per-step memory report (module doc), built with the parts whose peaks it reads:
+    ``store`` (None: nothing offloaded) and ``grads`` (the gradient path's buffer peak);
+    ``baseline_rss_bytes`` is the RSS the engine read before building any shard; ``device_is_host``:
+    the compute device is the CPU, so device-side parts are in the RSS too."""
 
-    def __init__(self, engine):
-        self.baseline_rss_bytes = rss_bytes()   # built first thing in the engine: before any shard
-        self._engine = weakref.ref(engine)
+    def __init__(self, baseline_rss_bytes: int, store, grads, device_is_host: bool):
+        self.baseline_rss_bytes = baseline_rss_bytes
+        self.store, self.grads, self.device_is_host = store, grads, device_is_host
         self.enabled = False
         self.meter: SavedTensorMeter | None = None
         self._hooks = None               # the pushed saved_tensors_hooks context, while a forward runs
@@ -204,12 +206,11 @@ class StepMemory:
     def enable(self, activations: bool = True) -> None:
         """Measure from now on; ``activations``: also count saved tensors (module doc, its cost).
         Resets the process's RSS high-water mark now and after each step."""
-        engine = self._engine()
         self.enabled = True
         self.meter = SavedTensorMeter() if activations else None
         self._exact = reset_peak_rss()
         self._ru_mark = _ru_maxrss_bytes()
-        self._take_windows(engine)   # every part's window starts now
+        self._take_windows()   # every part's window starts now
 
     # ------------------------------------------------------------ the forward (hooks.py's root hooks)
 
@@ -237,28 +238,27 @@ class StepMemory:
 
     # ------------------------------------------------------------ the step
 
-    def end_step(self) -> None:
-        """The engine finished a step (its stats are in): measure, then start the next window."""
-        engine = self._engine()
-        if not self.enabled or engine is None:
+    def end_step(self, resident_bytes: int, gathered_params_bytes: int) -> None:
+        """The engine finished a step: measure, then start the next window. ``resident_bytes``: model
+        state in engine memory now, outside the store; ``gathered_params_bytes``: the step's peak of
+        gathered stage-3 parameters (0 at other stages)."""
+        if not self.enabled:
             return
         now = rss_bytes()
         peak, source = self._peak_rss()
         if peak is not None:   # the kernel's high-water figures can trail VmRSS by a few pages
             peak = max(peak, now)
             self._run_peak = peak if self._run_peak is None else max(self._run_peak, peak)
-        store = engine.store.take_peak_bytes() if engine.store is not None else None
-        resident = dict(engine.resident_bytes())
-        resident.pop("store", None)
-        on_host = engine.device.type == "cpu"
+        store = self.store.take_peak_bytes() if self.store is not None else None
+        on_host = self.device_is_host
         out = {
             "peak_rss_bytes": peak, "peak_rss_source": source, "run_peak_rss_bytes": self._run_peak,
             "rss_bytes": now, "baseline_rss_bytes": self.baseline_rss_bytes,
             "store_host_bytes": store["host"] if store is not None else None,
             "store_device_bytes": store["device"] if store is not None else None,
-            "gathered_params_bytes": engine.stats.last_step.get("live_peak_bytes", 0) if engine.stage == 3 else 0,
-            "grad_buffers_bytes": engine.grads.take_buffer_peak(),
-            "resident_bytes": sum(resident.values()),
+            "gathered_params_bytes": gathered_params_bytes,
+            "grad_buffers_bytes": self.grads.take_buffer_peak(),
+            "resident_bytes": resident_bytes,
             "activation_bytes": self.meter.take_peak() if self.meter is not None else None,
             "device_is_host": on_host,
         }
@@ -278,10 +278,10 @@ class StepMemory:
         rose, self._ru_mark = now > self._ru_mark, now
         return (now if rose else None), "ru_maxrss"
 
-    def _take_windows(self, engine) -> None:
-        if engine.store is not None:
-            engine.store.take_peak_bytes()
-        engine.grads.take_buffer_peak()
+    def _take_windows(self) -> None:
+        if self.store is not None:
+            self.store.take_peak_bytes()
+        self.grads.take_buffer_peak()
         if self.meter is not None:
             self.meter.take_peak()
 

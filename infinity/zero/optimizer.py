@@ -33,8 +33,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             b = g["betas"]
             if len(b) != 2 or not all(0.0 <= x < 1.0 for x in b):
                 raise ValueError(f"optimizer: param group {i} betas must be two numbers in [0, 1), got {b}")
+        # the user's handle on the engine's step: step / zero_grad / clip go to it; the group dicts are
+        # the ones the engine was built with (torch keeps the dicts it is given), so it sees lr changes
         self.engine = engine
-        engine.param_groups = self.param_groups   # the same list: the engine reads lr etc. at each step
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "engine", None) is not None:
@@ -45,23 +46,23 @@ class ZeroAdamW(torch.optim.Optimizer):
     @property
     def group_steps(self) -> list:
         """Steps taken by each param group (skipped fp16-overflow steps not counted)."""
-        return self.engine.group_steps
+        return self.engine.hyper.group_steps
 
     @group_steps.setter
     def group_steps(self, steps) -> None:
         steps = [int(x) for x in steps]
         if len(steps) != len(self.param_groups):
             raise ValueError(f"group_steps: {len(steps)} counts for {len(self.param_groups)} param groups")
-        self.engine.group_steps[:] = steps
+        self.engine.hyper.group_steps[:] = steps
 
     @property
     def skipped_steps(self) -> int:
         """Steps skipped because fp16 gradients overflowed."""
-        return self.engine.skipped_steps
+        return self.engine.hyper.skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
-        self.engine.skipped_steps = int(value)
+        self.engine.hyper.skipped_steps = int(value)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable
 
 from infinity.transitions import Transitions
 
@@ -53,18 +52,15 @@ _MOVES = Transitions("overlapped step", {
 
 
 class OverlappedStep:
-    """The engine side of an overlapped step: which units are final, when the pipeline starts.
+    """Which units of an overlapped step are final and when each is to be submitted.
 
-    ``build_jobs(unit)`` makes one unit's :class:`~infinity.optim.pipeline.ShardJob` s (one per chunk);
-    ``begin_step()`` fixes the step's hyper-parameters, starts the engine's pipeline and returns
-    it (an :class:`~infinity.optim.pipeline.AdamPipeline`).
+    It decides, the caller acts: :meth:`unit_final` and :meth:`end_backward` return the units whose
+    update is to start now, and the caller (:class:`~infinity.zero.update.ShardUpdate`) builds their
+    jobs and submits them to its pipeline, starting the pipeline first when :meth:`starts_step` says so.
     """
 
-    def __init__(self, rank: int, build_jobs: Callable, begin_step: Callable):
+    def __init__(self, rank: int):
         self.rank = rank
-        self.build_jobs = build_jobs
-        self.begin_step = begin_step
-        self.pipeline = None               # the optimizer's, once a step has begun
         self.phase = OverlapPhase.IDLE
         self._deferred: list = []          # units final now, submitted at the end of backward
         self._submitted: set = set()       # unit indices whose update this step has begun
@@ -92,36 +88,34 @@ class OverlappedStep:
             raise RuntimeError(f"forward/backward on rank {self.rank} gathers unit {unit.name!r} before "
                                f"optimizer.step(), while its update runs: {SECOND_BACKWARD}")
 
-    def unit_final(self, unit, during_flush: bool) -> None:
-        """``unit``'s gradient shard is final for this step: update it now, or at the end of backward."""
+    def unit_final(self, unit, during_flush: bool) -> list:
+        """``unit``'s gradient shard is final for this step: ``[unit]`` if its update is to start now,
+        ``[]`` if it waits for the end of backward."""
         if unit.is_root or during_flush:
             self._deferred.append(unit)
-        else:
-            self._submit(unit)
-            self._submitted_in_backward += 1
+            return []
+        self._submitted_in_backward += 1
+        return [unit]
 
-    def end_backward(self) -> None:
-        """Backward is done (every reduction folded in): submit the remaining units, in unit order."""
+    def end_backward(self) -> list:
+        """Backward is done (every reduction folded in): the remaining units to submit, in unit order."""
         self._backward_end_s = time.perf_counter()
         deferred, self._deferred = sorted(self._deferred, key=lambda u: u.index), []
-        for unit in deferred:
-            self._submit(unit)
-        self._go(OverlapPhase.AWAITING_STEP)
+        return deferred
 
-    def _submit(self, unit) -> None:
+    def starts_step(self) -> bool:
+        """A unit is about to be submitted: True if it is the step's first (the pipeline is to be started)."""
+        return self.phase is OverlapPhase.IDLE
+
+    def submitting(self, unit) -> None:
+        """``unit``'s update is being submitted (call before its jobs are)."""
         if self.phase is OverlapPhase.IDLE:
-            self.pipeline = self.begin_step()
             self._go(OverlapPhase.UPDATING)
         self._submitted.add(unit.index)
-        for job in self.build_jobs(unit):
-            self.pipeline.submit(job)
 
-    def wait_for_room(self, attempt: Callable):
-        """``attempt()`` (a store operation on the caller's thread), waiting out host room the running
-        update holds pinned (see AdamPipeline.wait_for_room)."""
-        if self.pipeline is None:
-            return attempt()
-        return self.pipeline.wait_for_room(attempt)
+    def backward_done(self) -> None:
+        """The end of backward's units are submitted: the step waits for ``optimizer.step()``."""
+        self._go(OverlapPhase.AWAITING_STEP)
 
     def abort(self) -> bool:
         """The backward raised: drop what was deferred; True if some unit's update had begun (the

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
+from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
 __all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
@@ -112,7 +113,7 @@ class Placement:
         sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: 4, TensorClass.EXP_AVG_SQ: 4,
                  TensorClass.MASTER: 0 if self.master_is_param(param_itemsize == 4) else 4,
                  TensorClass.GRAD: reduce_itemsize}
-        if stage < 2:
+        if StagePolicy.of(stage).grads_in_arena:
             sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena
         return {cls: n for cls, n in sizes.items() if n and self.home(cls) is not None}
 
@@ -142,7 +143,7 @@ class Placement:
              + ("; its whole gradient shard waits there, the update overlapping backward" if deferred else "")
              + "; offload.chunk_bytes caps the rest)" if worst_unit is not None else "")
         device, device_why = 0, "no stored parameters gathered"
-        if stage == 3 and self.params is not None:
+        if StagePolicy.of(stage).shard_params and self.params is not None:
             # a gather pins one chunk of the shard at a time (the whole shard when it is one chunk)
             largest = max(units, key=lambda u: u.shard_numel)
             device = min(largest.shard_numel, chunk) * param_itemsize

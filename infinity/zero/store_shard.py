@@ -49,7 +49,7 @@ __all__ = ["StoreUnitShard", "LentCopies", "store_shards"]
 class LentCopies:
     """Working copies handed out by ``get`` that the caller may have written; one list per store.
 
-    :meth:`settle` marks each one changed and starts its write-back. It runs
+    :meth:`write_back` marks each one changed and starts its write-back. It runs
     before the next operation any shard or the engine does on the store, so a
     lent copy is still current then (nothing between could have moved it).
     """
@@ -60,10 +60,10 @@ class LentCopies:
 
     def add(self, keys: tuple, tier, bounds: list | None = None, assembled: torch.Tensor | None = None) -> None:
         """One key lent as the store's own copy, or chunk keys lent as one ``assembled`` tensor
-        (``bounds[i]`` is key i's element range in it), copied back into the chunks on settle."""
+        (``bounds[i]`` is key i's element range in it), copied back into the chunks on write-back."""
         self._lent.append((keys, bounds, tier, assembled))
 
-    def settle(self) -> None:
+    def write_back(self) -> None:
         lent, self._lent = self._lent, []
         for keys, bounds, tier, assembled in lent:
             for i, key in enumerate(keys):
@@ -164,7 +164,7 @@ class StoreUnitShard(UnitShard):
         keys = self._keys.get(cls)
         if keys is None:
             return super().get(cls)
-        self.lent.settle()
+        self.lent.write_back()
         tier = self.placement.work_tier(cls)
         if not self.chunked:
             tensor = self.store.wait(self.store.bring(keys[0], tier))
@@ -202,13 +202,13 @@ class StoreUnitShard(UnitShard):
         if keys is None:
             yield super().get(cls)
             return
-        self.lent.settle()
+        self.lent.write_back()
         tier = self.placement.work_tier(cls)
         if self.chunked:
             t = self._assemble(keys, tier)
             yield t
             self.lent.add(keys, tier, self.bounds, t)
-            self.lent.settle()
+            self.lent.write_back()
             return
         with self.store.use(keys[0], tier, dirty=True) as t:
             yield t
@@ -223,7 +223,7 @@ class StoreUnitShard(UnitShard):
         retried after a BudgetError: a register that failed left its key released, and the retry
         re-registers every chunk."""
         keys = self._keys[cls]
-        self.lent.settle()
+        self.lent.write_back()
         bounds = self.bounds if self.chunked else [(0, tensor.numel())]
         futures = []
         for c, (key, (lo, hi)) in enumerate(zip(keys, bounds)):
@@ -242,7 +242,7 @@ class StoreUnitShard(UnitShard):
         keys = self._keys.get(TensorClass.PARAM)
         if keys is None:
             return super().param_for_gather()
-        self.lent.settle()   # a checkpoint load may have written the shard through get()
+        self.lent.write_back()   # a checkpoint load may have written the shard through get()
         tier = Tier.DEVICE
         if not self.chunked:
             src = self.store.wait(self.store.bring(keys[0], tier, pin=True))
@@ -288,7 +288,7 @@ class StoreUnitShard(UnitShard):
             if inspect is not None:
                 inspect(reduced)
             return room(lambda: self.replace(TensorClass.GRAD, reduced))   # retry-safe: re-registers every chunk
-        self.lent.settle()
+        self.lent.write_back()
         for key, b in zip(keys, self.bounds if self.chunked else [None]):
             part = reduced if b is None else reduced[b[0]:b[1]]
             # first: claimed, its stale bytes never read; else brought and summed into
@@ -339,8 +339,8 @@ class StoreUnitShard(UnitShard):
         lo, hi = self.bounds[chunk]
         return tensor[lo:hi]
 
-    def settle(self) -> None:
-        self.lent.settle()
+    def write_back_lent(self) -> None:
+        self.lent.write_back()
 
     def resident_bytes(self) -> int:
         """Bytes of this shard's chunks homed in host memory instead of on NVMe (Placement.host_resident_plan)."""

@@ -265,7 +265,7 @@ class UnitShard:
         """Store keys of chunk ``chunk`` whose host copy is freed once written home (none here)."""
         return ()
 
-    def settle(self) -> None:
+    def write_back_lent(self) -> None:
         """Finish what earlier ``get`` calls lent out (a store-backed shard writes it home)."""
 
     def write_back_dirty(self) -> list:

@@ -41,20 +41,25 @@ _LOOKAHEAD = 2
 
 
 class ShardUpdate:
-    """The engine's optimizer step (see the module doc). ``cfg`` is ``config.optimizer``."""
+    """The engine's optimizer step (see the module doc), built with what it needs: the units, the store
+    (None: everything in memory), the data-parallel collectives (stages 1-2 gather updated shards),
+    the stage policy, the param groups' :class:`~infinity.zero.hyper.GroupHyper`, and
+    ``config.optimizer`` (``cfg``)."""
 
-    def __init__(self, engine, cfg):
-        self.engine = engine
+    def __init__(self, units: list, store, coll, policy, shard_rank: int, rank: int, hyper, tracer, cfg):
+        self.units, self.store, self.coll, self.policy = units, store, coll, policy
+        self.shard_rank, self.rank, self.hyper = shard_rank, rank, hyper
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
-        self.pipeline = AdamPipeline(engine.store, self.adam, lookahead=_LOOKAHEAD, tracer=engine.tracer)
-        self.overlap = OverlappedStep(engine.rank, self._jobs, self._begin) if cfg.overlap_backward else None
+        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer)
+        self.overlap = OverlappedStep(rank) if cfg.overlap_backward else None
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
         self._post_gathers: collections.deque = collections.deque()
         self._owner: dict = {}   # job name -> its unit
         self._flushing = False
+        self._overlap_began = False   # an overlapped step has started the pipeline at least once
         self._store_mark: dict | None = None
         self._resident: int | None = None
 
@@ -67,21 +72,20 @@ class ShardUpdate:
 
     # ------------------------------------------------------------ the step
 
-    def run(self) -> None:
-        """Update every unit not yet updated in this step; raises with the units' ``updated`` marks kept."""
-        e = self.engine
-        e.grads.settle_writes()
-        done_before = [u for u in e.units if u.updated]
+    def run(self, grad_scale: float) -> None:
+        """Update every unit not yet updated in this step, each gradient read times ``grad_scale`` (unscale x
+        clip); raises with the units' ``updated`` marks kept. The caller waits for folded gradients' writes first."""
+        done_before = [u for u in self.units if u.updated]
         try:
             for f in [f for u in done_before for f in u.shard.write_back_dirty()]:
                 f.result()   # a write that failed last time (the new values are still in memory)
-            if e.stage in (1, 2):
+            if self.policy.gather_after_step:
                 for unit in done_before:   # their gathers may not have run: idempotent, so run them all
                     self.gather_updated(unit, unit.shard.get(TensorClass.PARAM))
             if not self.pipeline.running:   # overlapped: backward started it (unless it failed since)
                 self._begin()
-                for unit in e.units:
-                    for job in self._jobs(unit):
+                for unit in self.units:
+                    for job in self._jobs(unit, grad_scale):
                         self.pipeline.submit(job)
             self.last_stats = self.pipeline.finish()
         finally:
@@ -92,20 +96,17 @@ class ShardUpdate:
             while self._post_gathers:
                 self._post_gathers.popleft().wait()   # the next forward reads these buffers
 
-    def _begin(self):
-        """Start the pipeline with this step's hyper-parameters as they are now; returns it."""
-        hyper = [self.engine.hyper(i) for i in range(len(self.engine.param_groups))]
-        self.pipeline.start(hyper.__getitem__)
-        return self.pipeline
+    def _begin(self) -> None:
+        """Start the pipeline with this step's hyper-parameters as they are now."""
+        self.pipeline.start(self.hyper.for_step().__getitem__)
 
-    def _jobs(self, unit) -> list:
+    def _jobs(self, unit, grad_scale: float) -> list:
         """``unit``'s jobs not yet done this step: one per chunk of its shard (one when unchunked,
         named after the unit; else ``name#chunk``). Its gradient shard must be final."""
-        e = self.engine
         s = unit.shard
-        s.settle()
+        s.write_back_lent()
         chunks = s.chunks()
-        ranges = unit.shard_group_ranges(e.shard_rank)
+        ranges = unit.shard_group_ranges(self.shard_rank)
         alias = s.is_alias(TensorClass.MASTER, TensorClass.PARAM)
         jobs = []
         for c in range(unit.chunks_updated, len(chunks)):
@@ -114,14 +115,14 @@ class ShardUpdate:
             last = c == len(chunks) - 1
             on_done = (lambda param, unit=unit: self.gather_updated(unit, param if chunks == [None] else
                                                                     unit.shard.get(TensorClass.PARAM))) \
-                if e.stage in (1, 2) and last else None
+                if self.policy.gather_after_step and last else None
             jobs.append(ShardJob(
                 unit.name if chunks == [None] else f"{unit.name}#{c}",
                 s.job_field(TensorClass.MASTER, c), s.job_field(TensorClass.EXP_AVG, c),
                 s.job_field(TensorClass.EXP_AVG_SQ, c), s.job_field(TensorClass.GRAD, c),
                 None if alias else s.job_field(TensorClass.PARAM, c),
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
-                on_done, grad_scale=e.grads.multiplier, discard=s.consumed_after_update(c),
+                on_done, grad_scale=grad_scale, discard=s.consumed_after_update(c),
                 drop=s.dropped_after_update(c)))
             self._owner[jobs[-1].name] = unit
         return jobs
@@ -130,7 +131,7 @@ class ShardUpdate:
         """Stages 1-2: all-gather ``unit``'s updated parameter shard into every rank's full buffer."""
         shard = param.clone()   # the shard is a view of the full buffer: input and output must not alias
         # `then` holds the copy alive until the gather is waited on
-        pending = self.engine.coll.all_gather(unit.full_param, shard, async_op=True, then=lambda shard=shard: None)
+        pending = self.coll.all_gather(unit.full_param, shard, async_op=True, then=lambda shard=shard: None)
         if wait:
             pending.wait()
             return
@@ -149,10 +150,19 @@ class ShardUpdate:
 
     # ------------------------------------------------------------ optimizer.overlap_backward
 
-    def unit_final(self, unit) -> None:
-        """A unit's gradient shard is folded (stages 2-3); with overlap its update may start."""
+    def unit_final(self, unit, grad_scale: float) -> None:
+        """A unit's gradient shard is folded (stages 2-3); with overlap its update may start now."""
         if self.overlap is not None:
-            self.overlap.unit_final(unit, during_flush=self._flushing)
+            self._submit(self.overlap.unit_final(unit, during_flush=self._flushing), grad_scale)
+
+    def _submit(self, units: list, grad_scale: float) -> None:
+        for unit in units:
+            if self.overlap.starts_step():
+                self._begin()
+                self._overlap_began = True
+            self.overlap.submitting(unit)
+            for job in self._jobs(unit, grad_scale):
+                self.pipeline.submit(job)
 
     @contextlib.contextmanager
     def flushing(self):
@@ -163,9 +173,10 @@ class ShardUpdate:
         finally:
             self._flushing = False
 
-    def end_backward(self) -> None:
+    def end_backward(self, grad_scale: float) -> None:
         if self.overlap is not None:
-            self.overlap.end_backward()
+            self._submit(self.overlap.end_backward(), grad_scale)
+            self.overlap.backward_done()
 
     def abort_backward(self) -> None:
         """The backward raised: stop updates it had started; some may be done (the state is then newer
@@ -186,7 +197,7 @@ class ShardUpdate:
 
     def check_clip(self) -> None:
         if self.overlap is not None:
-            raise RuntimeError(f"clip_grad_norm_() on rank {self.engine.rank} with optimizer.overlap_backward: the "
+            raise RuntimeError(f"clip_grad_norm_() on rank {self.rank} with optimizer.overlap_backward: the "
                                "update runs during backward, but clipping needs every gradient before any "
                                "update; set overlap_backward: false to clip")
 
@@ -197,19 +208,21 @@ class ShardUpdate:
     def with_room(self, attempt):
         """A store operation on the caller's thread; during an overlapped step it may wait for host room
         the update holds pinned (without overlap nothing else pins host copies while backward runs)."""
-        return attempt() if self.overlap is None else self.overlap.wait_for_room(attempt)
+        if self.overlap is None or not self._overlap_began:
+            return attempt()
+        return self.pipeline.wait_for_room(attempt)
 
     # ------------------------------------------------------------ stats
 
     def mark_store(self) -> None:
-        if self.engine.store is not None:
+        if self.store is not None:
             self._store_mark = self._store_counters()
 
-    def end_step(self, last_step: dict) -> None:
-        """With a store: the step's bytes per tier pair, I/O and update times under ``offload``; then
-        the host buffers the step cached for reuse are freed (:meth:`TensorStore.trim_host_buffers`)."""
-        e = self.engine
-        if e.store is None:
+    def end_step(self, last_step: dict, prefetch_trace: str) -> None:
+        """With a store: the step's bytes per tier pair, I/O and update times under ``offload``
+        (``prefetch_trace``: the recorded unit order's state); then the host buffers the step cached
+        for reuse are freed (:meth:`TensorStore.trim_host_buffers`)."""
+        if self.store is None:
             return
         now = self._store_counters()
         moved = {k: v - self._store_mark["moved"].get(k, 0) for k, v in now["moved"].items()}
@@ -223,7 +236,7 @@ class ShardUpdate:
             "swap_out_wait_s": self.last_stats.get("swap_out_wait_s", 0.0),
             "peak_bytes": now["peak"],
             "live_peak_bytes": last_step["live_peak_bytes"],   # gathered params, capped
-            "prefetch_trace": e.prefetcher.state.value,
+            "prefetch_trace": prefetch_trace,
             "overlapped": False,
             "host_resident_bytes": self._host_resident_bytes(),
         }
@@ -231,15 +244,15 @@ class ShardUpdate:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
         self.last_stats = {}
         self._store_mark = now
-        e.store.trim_host_buffers()
+        self.store.trim_host_buffers()
 
     def _host_resident_bytes(self) -> int:
         """NVMe-placed chunks homed in host memory (``offload.host_resident_bytes``): fixed at initialize."""
         if self._resident is None:
-            self._resident = sum(u.shard.resident_bytes() for u in self.engine.units)
+            self._resident = sum(u.shard.resident_bytes() for u in self.units)
         return self._resident
 
     def _store_counters(self) -> dict:
-        s = self.engine.store.stats()
+        s = self.store.stats()
         return {"moved": dict(s["moved_bytes"]), "wait_s": s["wait_s"], "peak": s["peak_bytes"],
                 "spills": s["spills"]["host"]}

@@ -93,7 +93,7 @@ def reduce_error_case(spec: dict) -> dict:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = ZeroPPConfig(quantize_grads=True, grad_bits=spec["bits"], ranks_per_node=2)
-    pp = ZeroPlusPlus(cfg, Collectives(), stage=2)
+    pp = ZeroPlusPlus(cfg, Collectives(), shard_params=False, sharded=True)   # stage 2
     shard = 4096
     g = torch.Generator().manual_seed(100 + rank)
     # heavy-tailed, with a different scale per rank: blocks whose ranks disagree in magnitude

@@ -333,22 +333,22 @@ def test_engine_never_exceeds_the_cap_in_any_order():
     def run(extra, ops):
         engine.live.max_live_bytes = least + extra
         for u in engine.units:
-            engine.release(u)
+            engine.gathers.release(u)
         for op, i in ops:
             unit = engine.units[i]
             in_use = {j for j in full if engine.live.use(j) is UnitUse.IN_USE}
             if op == "use":
                 try:
-                    engine.acquire(unit)
+                    engine.gathers.acquire(unit)
                 except RuntimeError as e:
                     assert "cannot be honoured" in str(e)
                     assert sum(full[j] for j in in_use) + full[i] > engine.live.max_live_bytes
             elif op == "ahead":
-                engine.gather_ahead(unit)
+                engine.gathers.gather_ahead(unit)
             elif op == "forward_done" and engine.live.use(i) is UnitUse.IN_USE:
-                engine.after_forward(unit)
+                engine.gathers.after_forward(unit)
             elif op == "release":
-                engine.release(unit)
+                engine.gathers.release(unit)
                 in_use.discard(i)
             states = {j: u.state.value for j, u in enumerate(engine.units)}
             assert engine.live.live_bytes <= engine.live.max_live_bytes, (engine.live.live_bytes, states)
