@@ -1,0 +1,39 @@
+"""Lower layers never import higher ones: the order is the README's Layout section."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "infinity"
+# lowest first; a module may import its own layer and any lower one
+ORDER = ["transitions", "trace", "config", "io", "store", "optim", "schedule", "comm", "parallel", "zero",
+         "initialization", "checkpoint", "estimate", "profile", "integrations", "train", "cli"]
+LEAVES = {"models", "data"}   # the demo model and corpus: usable from anywhere, importing only the config
+IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)
+
+
+def _layer(dotted: str) -> str:
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "infinity"
+
+
+def test_no_module_imports_a_higher_layer():
+    rank = {name: i for i, name in enumerate(ORDER)}
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _layer(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        assert me in rank or me in LEAVES or me == "__init__", f"{path}: layer {me!r} is not in ORDER"
+        for target in IMPORT.findall(path.read_text()):
+            other = _layer(target)
+            if other == me or "infinity" in (me, other) or me == "__init__":   # the package front: lazy imports
+                continue
+            if me in LEAVES:
+                if other not in ("config",) and other not in LEAVES:
+                    wrong.append(f"{path.name} ({me}) imports {target}")
+                continue
+            if other in LEAVES:
+                continue
+            if rank[other] > rank[me]:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)} ({me}) imports {target} ({other})")
+    assert not wrong, "\n".join(wrong)
