@@ -150,7 +150,7 @@ def disk_need(a) -> dict:
 def predicted_rss(a, baseline_bytes=None):
     """infinity.estimate.peak_rss's peak-RSS bound and initialize's minimum budgets for this model and config, with
     activations left out (transformers' GPT-2 forward cannot run on meta tensors to count them); None when
-    this infinity has no memory_bound."""
+    this infinity has no infinity.estimate.peak_rss."""
     try:
         from infinity.estimate.peak_rss import SLACK_FRACTION, bound_for_model
     except ImportError:

@@ -4,24 +4,12 @@
   step for DDP, ZeRO-1/2/3 and ZeRO-Infinity, ZeRO++'s volumes (the ZeRO paper's model).
 - :mod:`~infinity.estimate.tensor_parallel`: the same with tensor parallelism on a ``("dp", "tp")`` mesh.
 - :mod:`~infinity.estimate.peak_rss`: the predicted peak RSS of a training process by term,
-  and the minimum tier budgets ``initialize`` enforces (imports the engine's layout; loaded on use).
+  and the minimum tier budgets ``initialize`` enforces (with the engine's own unit layout).
 """
 
-from __future__ import annotations
-
-import importlib
-
+from infinity.estimate.peak_rss import bound_for_model, min_budgets, predict_peak_rss
 from infinity.estimate.strategies import count_params, estimate, estimate_all, estimate_config, parse_param_count
+from infinity.estimate.tensor_parallel import tp_estimate
 
 __all__ = ["estimate", "estimate_all", "estimate_config", "count_params", "parse_param_count", "tp_estimate",
            "predict_peak_rss", "bound_for_model", "min_budgets"]
-
-# These import the engine's layout (torch.nn modules, units): loaded on first use.
-_LAZY = {"tp_estimate": "infinity.estimate.tensor_parallel", "predict_peak_rss": "infinity.estimate.peak_rss",
-         "bound_for_model": "infinity.estimate.peak_rss", "min_budgets": "infinity.estimate.peak_rss"}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'infinity.estimate' has no attribute {name!r}")
