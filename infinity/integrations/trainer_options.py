@@ -71,9 +71,10 @@ def check_arguments(args, config: Config) -> None:
     if args.auto_find_batch_size:
         raise ValueError("InfinityTrainer: TrainingArguments auto_find_batch_size=True is not supported (it rebuilds "
                          "the model's wrapping after an out-of-memory error); set per_device_train_batch_size")
-    if args.load_best_model_at_end:
-        raise ValueError("InfinityTrainer: TrainingArguments load_best_model_at_end=True is not supported yet; load "
-                         "the best checkpoint-N/infinity with infinity.load_checkpoint after training")
+    if args.load_best_model_at_end and args.save_only_model:
+        raise ValueError("InfinityTrainer: TrainingArguments load_best_model_at_end=True with save_only_model=True: "
+                         "the best model is loaded from its checkpoint's sharded state, which save_only_model does "
+                         "not keep; drop one of them")
     if str(getattr(args.optim, "value", args.optim)) not in TORCH_ADAMW:
         raise ValueError(f"InfinityTrainer: TrainingArguments optim={getattr(args.optim, 'value', args.optim)!r} "
                          f"is not infinity's optimizer (AdamW over the shards); use optim in {TORCH_ADAMW}")

@@ -44,8 +44,9 @@ It follows the Trainer's DeepSpeed integration, one hook at a time:
   ``rng_state*.pth``, ``training_args.bin``). ``resume_from_checkpoint`` loads
   ``infinity/`` (model and optimizer at any world size) where the Trainer
   would load its optimizer, then the scheduler; the Trainer restores the rest.
-  With ``save_only_model=True`` the shards are not kept and there is nothing
-  to resume from, as with a plain Trainer.
+  ``load_best_model_at_end`` loads the best checkpoint's ``infinity/``. With
+  ``save_only_model=True`` the shards are not kept and there is nothing to
+  resume from, as with a plain Trainer.
 - ``save_model(dir)``: a sharded save to a temporary directory inside ``dir``,
   consolidated by the saving rank into safetensors (bounded memory, whatever
   the model's size; :func:`infinity.checkpoint.consolidate`), then removed.
@@ -84,7 +85,7 @@ _SCHEDULER_NAME = "scheduler.pt"          # the Trainer's file names (transforme
 _TRAINING_ARGS_NAME = "training_args.bin"
 # Trainer hooks overridden here; a transformers without them would train without clipping, silently
 _OVERRIDDEN = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
-               "_load_from_checkpoint", "_load_optimizer_and_scheduler", "save_model")
+               "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model", "save_model")
 
 
 @dataclass
@@ -226,6 +227,14 @@ class InfinityTrainer(Trainer):
         if not scheduler.is_file():
             raise ValueError(f"InfinityTrainer: {scheduler} is missing; the checkpoint is incomplete")
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the best checkpoint's shards (model and optimizer, as DeepSpeed loads both)
+        best = Path(self.state.best_model_checkpoint) / SHARDED_DIR
+        if not (best / "latest").is_file():
+            raise ValueError(f"InfinityTrainer: the best checkpoint {self.state.best_model_checkpoint} has no "
+                             f"{SHARDED_DIR}/ sharded checkpoint to load the best model from")
+        infinity.load_checkpoint(best, self.model, self.infinity_optimizer, load_rng=False)
 
     # ------------------------------------------------------------ ranks
 

@@ -135,8 +135,8 @@ _CONFLICTS = [
     ({"activation_checkpointing": True}, None, None, "activation_checkpointing=True"),
     ({"optim": "sgd"}, None, None, "optim='sgd'"),
     ({"torch_compile": True}, None, None, "torch_compile=True"),
-    ({"eval_strategy": "steps", "save_strategy": "steps", "load_best_model_at_end": True}, None, None,
-     "load_best_model_at_end=True"),
+    ({"eval_strategy": "steps", "save_strategy": "steps", "load_best_model_at_end": True, "save_only_model": True},
+     None, None, "load_best_model_at_end=True with save_only_model=True"),
     ({}, None, {"optimizer": {"lr": 0.01}}, "optimizer.lr=0.01 disagrees with TrainingArguments learning_rate"),
     ({}, None, {"schedule": {"clip_grad_norm": 1.0}}, "schedule.clip_grad_norm"),
     ({}, None, {"parallel": {"tensor": 2}}, "parallel.tensor=2"),
@@ -151,6 +151,28 @@ def test_conflicting_options_are_refused_by_name(tmp_path, overrides, trainer_kw
     """A Trainer option or config key infinity cannot honour is a one-line error naming it."""
     message = cases.refused(str(tmp_path), overrides, trainer_kwargs, config)
     assert named in message and "\n" not in message
+
+
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
+    """``load_best_model_at_end`` leaves the best checkpoint's model in the trainer (here the first of two, whose
+    eval loss is the lower on this data), as ``from_pretrained`` of that checkpoint has it."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = cases.build_trainer("memory", str(tmp_path / "out"), steps=4, eval_strategy="steps", eval_steps=2,
+                                  save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                                  metric_for_best_model="eval_loss", greater_is_better=False)
+    try:
+        trainer.train()
+        assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / "checkpoint-2")
+        best = AutoModelForCausalLM.from_pretrained(trainer.state.best_model_checkpoint)
+        last = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "checkpoint-4")
+        trainer.model.eval()
+        with torch.no_grad():
+            ours, theirs = trainer.model(cases.probe_ids()).logits, best(cases.probe_ids()).logits
+            assert not torch.allclose(theirs, last(cases.probe_ids()).logits)   # so loading changed the model
+        assert (ours - theirs).abs().max().item() <= 1e-5
+    finally:
+        cases._close(trainer)
 
 
 def test_overlap_backward_refuses_clipping_and_accumulation(tmp_path):
