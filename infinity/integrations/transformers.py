@@ -42,7 +42,7 @@ It follows the Trainer's DeepSpeed integration, one hook at a time:
   ``config.json``: ``from_pretrained`` loads ``checkpoint-N``), and the
   Trainer's own files (``trainer_state.json``, ``scheduler.pt``,
   ``rng_state*.pth``, ``training_args.bin``). ``resume_from_checkpoint`` loads
-  ``infinity/`` (model and optimizer at any world size) where the Trainer
+  ``infinity/`` (model and optimizer states) where the Trainer
   would load its optimizer, then the scheduler; the Trainer restores the rest.
   ``load_best_model_at_end`` loads the best checkpoint's ``infinity/``. With
   ``save_only_model=True`` the shards are not kept and there is nothing to
