@@ -33,7 +33,8 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 
-from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments  # [infinity] was: Trainer, TrainingArguments from transformers
+# [infinity] was: from transformers import Trainer, TrainingArguments
+from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
 
 
 @dataclass

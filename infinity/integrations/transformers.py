@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` on infinity: an existing Trainer script changes two lines.
+"""Hugging Face ``Trainer`` on infinity: an existing Trainer script changes two or three lines.
 
 .. code-block:: python
 

@@ -204,3 +204,49 @@ def test_resuming_a_checkpoint_without_shards_is_refused(tmp_path):
         assert trainer.recorded == []
     finally:
         cases._close(trainer)
+
+
+def test_example_script_trains_under_torchrun(tmp_path):
+    """``examples/run_clm_infinity.py`` under ``torchrun --nproc_per_node 2`` (the launcher's env, no process
+    group made beforehand) with parameters and optimizer on NVMe: it trains every step, writes a sharded
+    checkpoint every 2, and its output directory loads with ``from_pretrained``."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    repo = Path(__file__).resolve().parents[2]
+    config = tmp_path / "nvme.json"
+    config.write_text(json.dumps({"zero": {"stage": 3}, "offload": {"params": "nvme", "optimizer": "nvme"},
+                                  "tiers": {"nvme_path": str(tmp_path / "swap")}, "io": {"threads": 1},
+                                  "optimizer": {"threads": 1}}))
+    out = tmp_path / "out"
+
+    def run(max_steps):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(repo / "examples" / "run_clm_infinity.py"), "--model_type", "gpt2",
+               "--config_overrides", "n_layer=2,n_embd=32,n_head=2", "--train_file", str(repo / "README.md"),
+               "--block_size", "32", "--output_dir", str(out), "--infinity_config", str(config),
+               "--max_steps", str(max_steps), "--per_device_train_batch_size", "2", "--save_steps", "2",
+               "--logging_steps", "1", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"]
+        env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+        # its own session: on a timeout the launcher and both ranks are killed together
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            raise AssertionError(f"the example did not finish within 300 s: {err[-3000:]}") from None
+        assert proc.returncode == 0, err[-3000:]
+
+    run(4)
+    assert (out / "checkpoint-2" / "infinity" / "latest").is_file()
+    assert (out / "checkpoint-4" / "infinity" / "latest").is_file()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]
+    AutoModelForCausalLM.from_pretrained(out)
