@@ -1,0 +1,126 @@
+"""Which ``TrainingArguments`` and infinity config keys go together, and a one-line error for those that do not.
+
+Who owns what, as in transformers' DeepSpeed integration (where ``"auto"`` config
+values are filled from ``TrainingArguments`` and explicit ones that disagree are
+an error):
+
+- ``TrainingArguments`` own the optimizer's hyper-parameters (``learning_rate``,
+  ``adam_beta1`` / ``adam_beta2``, ``adam_epsilon``, ``weight_decay``), the
+  schedule (``lr_scheduler_type``, ``warmup_steps``, ...) and clipping
+  (``max_grad_norm``). The config's ``optimizer.lr`` / ``betas`` / ``eps`` /
+  ``weight_decay`` are overwritten with them where they are left at the
+  config's defaults; a value set to something else that disagrees is refused,
+  naming both. Any ``schedule`` key off its default is refused (the Trainer
+  builds the schedule).
+- The infinity config owns everything else: stage, offload, tiers, precision.
+  So the Trainer's own precision (``fp16`` / ``bf16``, accelerate's
+  ``mixed_precision``), activation checkpointing, ``torch_compile``, DeepSpeed,
+  FSDP and ``DataParallel`` are refused, each naming what to use instead.
+"""
+
+from __future__ import annotations
+
+from infinity.config import Config, OptimizerConfig, ScheduleConfig
+
+__all__ = ["trainer_config", "check_arguments", "check_trainer_kwargs", "check_accelerator", "TORCH_ADAMW"]
+
+# the Trainer's optim names that are torch.optim.AdamW, whose math ZeroAdamW reproduces
+TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
+
+
+def trainer_config(config: Config, args) -> Config:
+    """``config`` with its optimizer section taken from ``args``; raises on a value that disagrees."""
+    defaults, ours = OptimizerConfig(), config.optimizer
+    wanted = {"lr": ("learning_rate", float(args.learning_rate)),
+              "betas": ("adam_beta1, adam_beta2", (float(args.adam_beta1), float(args.adam_beta2))),
+              "eps": ("adam_epsilon", float(args.adam_epsilon)),
+              "weight_decay": ("weight_decay", float(args.weight_decay))}
+    for key, (arg, value) in wanted.items():
+        mine = getattr(ours, key)
+        if mine != getattr(defaults, key) and mine != value:
+            raise ValueError(f"InfinityTrainer: infinity config optimizer.{key}={_show(mine)} disagrees with "
+                             f"TrainingArguments {arg}={_show(value)}; the Trainer's arguments set it, so remove "
+                             f"optimizer.{key} from the config or make the two equal")
+    schedule_defaults = ScheduleConfig()
+    for key in ("lr_schedule", "warmup_steps", "min_lr", "total_steps", "clip_grad_norm"):
+        if getattr(config.schedule, key) != getattr(schedule_defaults, key):
+            owner = "max_grad_norm" if key == "clip_grad_norm" else "lr_scheduler_type, warmup_steps and max_steps"
+            raise ValueError(f"InfinityTrainer: infinity config schedule.{key} is set, but the Trainer owns the "
+                             f"schedule and clipping ({owner}); remove schedule.{key} from the config")
+    if config.parallel.tensor > 1:
+        raise ValueError(f"InfinityTrainer: infinity config parallel.tensor={config.parallel.tensor} is not "
+                         "supported: the Trainer's data loader gives every rank its own batch, tensor-parallel "
+                         "ranks need the same one; use parallel.tensor 1 (ZeRO only)")
+    return config.replace(optimizer={"lr": wanted["lr"][1], "betas": list(wanted["betas"][1]),
+                                     "eps": wanted["eps"][1], "weight_decay": wanted["weight_decay"][1]})
+
+
+def check_arguments(args, config: Config) -> None:
+    """``TrainingArguments`` that conflict with infinity, each refused naming the option."""
+    if args.fp16 or args.bf16:
+        flag = "fp16" if args.fp16 else "bf16"
+        raise ValueError(f"InfinityTrainer: TrainingArguments {flag}=True conflicts with infinity's own precision; "
+                         f"set precision.param_dtype: {flag} in the infinity config and leave {flag} off")
+    for flag in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, flag, None):
+            raise ValueError(f"InfinityTrainer: TrainingArguments {flag}=True is not supported (the units' gathers "
+                             "run in infinity's hooks); set zero.activation_checkpointing: true in the infinity config")
+    if args.torch_compile:
+        raise ValueError("InfinityTrainer: TrainingArguments torch_compile=True is not supported (infinity drives "
+                         "the forward through module hooks); leave torch_compile off")
+    if args.auto_find_batch_size:
+        raise ValueError("InfinityTrainer: TrainingArguments auto_find_batch_size=True is not supported (it rebuilds "
+                         "the model's wrapping after an out-of-memory error); set per_device_train_batch_size")
+    if args.load_best_model_at_end and args.save_only_model:
+        raise ValueError("InfinityTrainer: TrainingArguments load_best_model_at_end=True with save_only_model=True: "
+                         "the best model is loaded from its checkpoint's sharded state, which save_only_model does "
+                         "not keep; drop one of them")
+    if str(getattr(args.optim, "value", args.optim)) not in TORCH_ADAMW:
+        raise ValueError(f"InfinityTrainer: TrainingArguments optim={getattr(args.optim, 'value', args.optim)!r} "
+                         f"is not infinity's optimizer (AdamW over the shards); use optim in {TORCH_ADAMW}")
+    if args.fsdp:
+        raise ValueError("InfinityTrainer: TrainingArguments fsdp is set; infinity shards the model itself, "
+                         "leave fsdp empty")
+    if config.optimizer.overlap_backward:
+        if args.max_grad_norm and args.max_grad_norm > 0:
+            raise ValueError(f"InfinityTrainer: TrainingArguments max_grad_norm={args.max_grad_norm:g} conflicts "
+                             "with optimizer.overlap_backward (units are updated during backward, before the "
+                             "global norm is known); set max_grad_norm=0 or overlap_backward: false")
+        if args.gradient_accumulation_steps > 1:
+            raise ValueError(f"InfinityTrainer: TrainingArguments gradient_accumulation_steps="
+                             f"{args.gradient_accumulation_steps} conflicts with optimizer.overlap_backward (one "
+                             "backward per step); set gradient_accumulation_steps=1 or overlap_backward: false")
+
+
+def check_trainer_kwargs(kwargs: dict) -> None:
+    """``Trainer(...)`` arguments that would build a second optimizer or model."""
+    if kwargs.get("model_init") is not None:
+        raise ValueError("InfinityTrainer: model_init is not supported (infinity shards one model, built before the "
+                         "trainer); pass model=")
+    optimizer, scheduler = kwargs.get("optimizers") or (None, None)
+    if optimizer is not None or scheduler is not None:
+        raise ValueError("InfinityTrainer: optimizers=(optimizer, scheduler) is not supported: the optimizer is the "
+                         "one infinity.initialize returns (hyper-parameters from TrainingArguments) and the "
+                         "scheduler is built on it from lr_scheduler_type; leave optimizers unset")
+    if kwargs.get("optimizer_cls_and_kwargs") is not None:
+        raise ValueError("InfinityTrainer: optimizer_cls_and_kwargs is not supported: the optimizer is infinity's "
+                         "AdamW; set its hyper-parameters in TrainingArguments")
+
+
+def check_accelerator(trainer) -> None:
+    """What the accelerator was told outside ``TrainingArguments`` (``accelerate launch`` flags, env vars)."""
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        which = "DeepSpeed" if trainer.is_deepspeed_enabled else "FSDP"
+        raise ValueError(f"InfinityTrainer: accelerate has {which} enabled (accelerate launch / ACCELERATE_USE_"
+                         f"{which.upper()}); infinity shards the model itself, launch without it")
+    if trainer.accelerator.mixed_precision != "no":
+        raise ValueError(f"InfinityTrainer: accelerate mixed_precision={trainer.accelerator.mixed_precision!r} "
+                         "(accelerate launch --mixed_precision / ACCELERATE_MIXED_PRECISION) conflicts with "
+                         "infinity's own precision; set precision.param_dtype in the infinity config instead")
+    if trainer.args.n_gpu > 1:
+        raise ValueError(f"InfinityTrainer: this process sees {trainer.args.n_gpu} GPUs and the Trainer would use "
+                         "DataParallel; start one process per GPU (torchrun / accelerate launch)")
+
+
+def _show(value) -> str:
+    return ", ".join(f"{v:g}" for v in value) if isinstance(value, tuple) else f"{value:g}"
