@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -62,6 +63,8 @@ def _run_estimate(args) -> int:
 
     if args.devices < 1:
         raise UsageError(f"--devices must be >= 1, got {args.devices}")
+    if args.tokens is not None and args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1 (tokens per dp rank per step), got {args.tokens}")
     if args.model is not None:
         from infinity.models import GPT, gpt_config
         try:
@@ -483,8 +486,9 @@ def _run_sample(args) -> int:
     from infinity.train import TrainError
     from infinity.train.sample import sample_checkpoint
 
-    if args.tokens < 1 or args.top_k < 1 or args.temperature < 0:
-        raise UsageError("--tokens and --top-k must be >= 1 and --temperature >= 0")
+    if args.tokens < 1 or args.top_k < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--tokens and --top-k must be >= 1 and --temperature a finite number >= 0, got "
+                         f"--tokens {args.tokens}, --top-k {args.top_k}, --temperature {args.temperature}")
     try:
         out = sample_checkpoint(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     except (TrainError, CheckpointError, ValueError) as e:

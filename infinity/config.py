@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,10 @@ def parse_size(value: Any, what: str = "size") -> int:
                 f"{what}: cannot read {value!r} as a size; use bytes or a number with one of "
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '512MiB')"
             )
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):   # "1e400" reads as inf, and int(inf) raises OverflowError
+            raise ConfigError(f"{what}: {value!r} is not a finite size")
+        n = int(number)
     else:
         raise ConfigError(f"{what}: expected a size in bytes or a string like '512MiB', got {value!r}")
     if n < 0:
@@ -148,6 +152,8 @@ def _float(lo=None, lo_open=False):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {v!r}")
         v = float(v)
+        if not math.isfinite(v):   # NaN fails no comparison below, and inf makes every update inf
+            raise ConfigError(f"{key}: expected a finite number, got {v}")
         if lo is not None and (v < lo or (lo_open and v == lo)):
             raise ConfigError(f"{key}: expected a number {'>' if lo_open else '>='} {lo}, got {v}")
         return v
@@ -472,7 +478,17 @@ class Config:
             d[name].update(changes)
         return Config.from_dict(d)
 
+    def _check_finite(self):
+        """Sections built directly (not through :meth:`from_dict`'s parsers) still never carry NaN or inf."""
+        for name in _SECTIONS:
+            for f in dataclasses.fields(getattr(self, name)):
+                value = getattr(getattr(self, name), f.name)
+                values = value if isinstance(value, tuple) else (value,)
+                if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                    raise ConfigError(f"{name}.{f.name}: expected a finite number, got {value}")
+
     def _check_cross_fields(self):
+        self._check_finite()
         off = self.offload
         on_nvme = [k for k in ("optimizer", "params", "grads") if getattr(off, k) == "nvme"]
         if on_nvme and not self.tiers.nvme_path:

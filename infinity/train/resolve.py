@@ -9,6 +9,7 @@ swap directory. Each error is one :class:`TrainError` naming the flag.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,10 +98,12 @@ def prepare_swap_dir(swap_dir: str) -> None:
 
 
 def _check_number(flag: str, value, least: float, below: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least or \
-            (below is not None and not value < below):
+    """A finite number in [least, below): NaN and inf are refused here, naming the flag, not later as a
+    diverged loss blamed on the learning rate."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not value >= least or (below is not None and not value < below):
         where = f"in [{least:g}, {below:g})" if below is not None else f">= {least:g}"
-        raise TrainError(f"{flag} must be a number {where}, got {value!r}")
+        raise TrainError(f"{flag} must be a finite number {where}, got {value!r}")
     return float(value)
 
 
@@ -138,8 +141,9 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
     if batch_size % (world_size * accum):
         raise TrainError(f"--batch-size {batch_size} does not split evenly over {world_size} rank(s) x "
                          f"--accum {accum}; use a multiple of {world_size * accum}")
-    if o.lr is not None and (isinstance(o.lr, bool) or not isinstance(o.lr, (int, float)) or not o.lr >= 0):
-        raise TrainError(f"--lr must be a number >= 0, got {o.lr!r}")
+    for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--clip-grad-norm", o.clip_grad_norm)):
+        if value is not None:
+            _check_number(flag, value, 0.0)
     if o.stage is not None and o.stage not in (0, 1, 2, 3):
         raise TrainError(f"--stage must be 0, 1, 2 or 3, got {o.stage!r}")
     if eval_every and val_fraction == 0.0:
