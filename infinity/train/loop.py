@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from infinity.config import Config
+from infinity.io.new_files import replaced
 from infinity.train.errors import RankError
 from infinity.train.evaluate import evaluate, load_tokenizer, make_datasets, sample_text
 from infinity.train.job_state import JOB_KEY, JOB_VERSION
@@ -225,8 +226,7 @@ def _dump_trace(tracer, path: str, rank: int, world_size: int) -> None:
             p = Path(f"{path}.rank{r}")
             events += json.loads(p.read_text())["traceEvents"]
             p.unlink()
-        tmp = Path(path + ".tmp")
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, path)
+        with replaced(path, "w") as f:   # never through a symlink planted at a guessable temp name
+            f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 

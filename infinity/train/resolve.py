@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from infinity.config import Config, ConfigError, parse_size
+from infinity.io.new_files import create_new, make_private_dir
 from infinity.train.errors import TrainError
 from infinity.train.job_state import check_fresh_save_dir, new_run_dir, read_job, resume_path, save_dir_of
 from infinity.train.models import ModelSpec, build_model, max_positions, parse_model_spec
@@ -84,14 +86,21 @@ def _check_output(flag: str, path: str | None) -> str | None:
 
 
 def prepare_swap_dir(swap_dir: str) -> None:
-    """Create ``swap_dir`` and prove a file can be written there, before any rank starts."""
+    """Create ``swap_dir`` (0700, as the swap files are private) and prove a file can be written there,
+    before any rank starts. The probe file is new (O_EXCL | O_NOFOLLOW, an unguessable name): a symlink
+    planted in the shared directory is never followed."""
     p = Path(swap_dir)
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".infinity-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-        probe.unlink()
+        if not p.is_dir():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(p, exist_ok=True)
+        probe = p / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = create_new(probe)
+        try:
+            os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as e:
         raise TrainError(f"swap directory {p}: cannot create or write files there "
                          f"({e.strerror or e}); set --swap-dir to a writable directory on a local disk") from None
