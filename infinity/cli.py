@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -334,7 +335,8 @@ def _add_train(sub) -> None:
         description="Train with ZeRO stages 0-3 and device/host/NVMe tiers (see infinity/train/). With no "
                     "arguments: a small built-in GPT on the Python standard library's source, ZeRO-3, with the "
                     f"swap directory ./{DEFAULT_SWAP_DIR}, a checkpoint at the end under ./{DEFAULT_SAVE_ROOT}. "
-                    "Ctrl-C stops after the current step, saves, and removes the swap files (exit code 130). "
+                    "Ctrl-C or SIGTERM stops after the current step, saves, and removes the swap files (exit code "
+                    "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
     p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -427,12 +429,13 @@ def _run_train(args) -> int:
     except RankError as e:
         print(f"infinity train: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:   # a second Ctrl-C: stopped at once
+    except KeyboardInterrupt as e:   # a second Ctrl-C / SIGTERM: stopped at once
         print("infinity train: interrupted; stopped without finishing the step, swap files removed",
               file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    stopped_code = 128 + (result.stop_signal or signal.SIGINT)   # 130 after SIGINT, 143 after SIGTERM
     if result.rank != 0:    # under torchrun only rank 0 speaks
-        return 130 if result.interrupted else 0
+        return stopped_code if result.interrupted else 0
     s = result.summary
     if result.interrupted:
         done = f"after step {s['steps']} of {s['steps_requested']}" if s.get("steps") is not None else "at once"
@@ -460,7 +463,7 @@ def _run_train(args) -> int:
         if s.get("checkpoint"):
             print(f"saved checkpoint {s['checkpoint']}; continue with: infinity train --resume "
                   f"{Path(s['checkpoint']).parent} --steps N")
-    return 130 if result.interrupted else 0
+    return stopped_code if result.interrupted else 0
 
 
 # ---------------------------------------------------------------- sample
