@@ -112,7 +112,8 @@ def _make_out_dir(out: Path) -> None:
     """``out`` and any missing parents, new ones private (0700); one line naming the path when it cannot be."""
     try:
         if not out.is_dir():
-            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.path.lexists(out.parent):   # a file in the way fails below, as 'Not a directory'
+                out.parent.mkdir(parents=True, exist_ok=True)
             make_private_dir(out, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"consolidate: cannot create the output directory {out}: {e.strerror or e}; "

@@ -92,7 +92,8 @@ def prepare_swap_dir(swap_dir: str) -> None:
     p = Path(swap_dir)
     try:
         if not p.is_dir():
-            p.parent.mkdir(parents=True, exist_ok=True)
+            if not os.path.lexists(p.parent):   # a file in the way fails below, as 'Not a directory'
+                p.parent.mkdir(parents=True, exist_ok=True)
             make_private_dir(p, exist_ok=True)
         probe = p / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
         fd = create_new(probe)
