@@ -32,6 +32,7 @@ __all__ = [
     "ScheduleConfig",
     "ParallelConfig",
     "ZeroPPConfig",
+    "DistConfig",
     "LR_SCHEDULES",
     "parse_size",
     "format_size",
@@ -374,6 +375,25 @@ class ParallelConfig:
                         "of the built-in GPT; the sequence length must divide by tensor")
 
 
+@dataclass(frozen=True)
+class DistConfig:
+    """How long a rank waits for the others before saying so, and before giving up.
+
+    A rank that hangs (stopped, swapping, stuck in a driver) or dies without
+    its sockets closing leaves the others blocked in a collective. torch's
+    default timeout is 30 minutes of silence; a shorter one fails the job
+    sooner, but too short a one fails a healthy job whose ranks are merely
+    uneven (a slow disk, a long checkpoint write on one rank, a big first
+    compile). See :mod:`infinity.comm.watchdog`.
+    """
+
+    timeout_s: float = _f(600.0, _float(0.0, lo_open=True), "seconds a collective may wait for every rank before "
+                          "every waiting rank fails with an error naming it (init_process_group's timeout when "
+                          "initialize creates the group); longer than any legitimate wait, e.g. a checkpoint save")
+    warn_after_s: float = _f(60.0, _float(0.0, lo_open=True), "seconds of waiting in one collective after which "
+                             "a rank logs which collective it waits in and which ranks have not arrived")
+
+
 _SECTIONS = {
     "zero": ZeroConfig,
     "precision": PrecisionConfig,
@@ -385,6 +405,7 @@ _SECTIONS = {
     "schedule": ScheduleConfig,
     "parallel": ParallelConfig,
     "zeropp": ZeroPPConfig,
+    "dist": DistConfig,
 }
 
 
@@ -418,6 +439,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         self._check_cross_fields()
@@ -517,6 +539,9 @@ class Config:
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
         self._check_zeropp()
+        if self.dist.warn_after_s > self.dist.timeout_s:
+            raise ConfigError(f"dist.warn_after_s: {self.dist.warn_after_s:g} is past dist.timeout_s "
+                              f"{self.dist.timeout_s:g}; the warning would never come")
         if self.parallel.tensor > 1 and self.zeropp.enabled:
             raise ConfigError("zeropp: not with parallel.tensor > 1 yet (ZeRO++'s node groups assume consecutive "
                               "data-parallel ranks; with tensor parallelism they are parallel.tensor apart)")

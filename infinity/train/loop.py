@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from infinity.comm.watchdog import watch
 from infinity.config import Config
 from infinity.io.new_files import replaced
 from infinity.train.errors import RankError
@@ -208,7 +209,8 @@ def _mean_and_stop(loss: torch.Tensor, stop, world_size: int, device) -> tuple[f
     if world_size == 1:
         return float(loss), flag > 0
     both = torch.stack([loss.float(), torch.tensor(flag, device=device)])
-    dist.all_reduce(both)   # every rank gets the same flag, so all leave the loop after the same step
+    with watch("the training loop's loss and stop-flag all_reduce (end of step)"):
+        dist.all_reduce(both)   # every rank gets the same flag, so all leave the loop after the same step
     return float(both[0]) / world_size, float(both[1]) > 0
 
 
