@@ -3,7 +3,11 @@
 Each sub-command is one ``_add_<name>(subparsers)`` that registers its
 arguments and a ``_run_<name>(args) -> int`` that calls into the library and
 prints. ``main`` returns the exit code; bad arguments or inputs print one line
-on stderr and return 2.
+on stderr and return 2; a run that fails for a reason outside the program (a
+full disk, a corrupt checkpoint or swap file, a rank that hung or died)
+prints one line and returns 1. ``--debug`` (before or after the sub-command)
+shows the traceback instead; an error of any other kind is a bug and always
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -427,6 +431,8 @@ def _run_train(args) -> int:
     except TrainError as e:
         raise UsageError(str(e)) from None
     except RankError as e:
+        if getattr(args, "debug", False) and e.traceback:
+            print(e.traceback, file=sys.stderr, end="")
         print(f"infinity train: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:   # a second Ctrl-C / SIGTERM: stopped at once
@@ -514,7 +520,21 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_consolidate(sub)
     _add_sample(sub)
+    # --debug after the sub-command too; SUPPRESS keeps the main parser's value when it is not repeated
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks instead of one-line errors")
     return parser
+
+
+def _run_errors() -> tuple:
+    """Failures of a run whose cause is outside the program: reported in one line (exit 1) unless --debug.
+    Imported only once something failed, so that ``infinity --help`` stays light."""
+    from infinity.checkpoint import CheckpointError
+    from infinity.comm.watchdog import CollectiveTimeout
+    from infinity.store import StoreError
+    return (CheckpointError, StoreError, CollectiveTimeout, OSError)   # OSError covers SwapIOError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -530,9 +550,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (UsageError, ConfigError) as e:
-        # only input errors become one line; anything else is a bug and keeps its traceback
+        if args.debug:
+            raise
         print(f"infinity {args.command}: {e}", file=sys.stderr)
         return 2
+    except _run_errors() as e:
+        # the input was fine, the world was not (disk, files, other ranks); anything else is a bug and
+        # keeps its traceback
+        if args.debug:
+            raise
+        print(f"infinity {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """The error's own first line; an OSError without a message of its own says its errno's."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

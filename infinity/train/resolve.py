@@ -20,7 +20,8 @@ import torch
 from infinity.config import Config, ConfigError, parse_size
 from infinity.io.new_files import create_new, make_private_dir
 from infinity.train.errors import TrainError
-from infinity.train.job_state import check_fresh_save_dir, new_run_dir, read_job, resume_path, save_dir_of
+from infinity.train.job_state import (check_fresh_save_dir, check_no_later_checkpoints, check_save_room,
+                                      checkpoint_bytes, new_run_dir, read_job, resume_path, save_dir_of)
 from infinity.train.models import ModelSpec, build_model, max_positions, parse_model_spec
 from infinity.train.options import (DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
                                     DEFAULT_SWAP_DIR, DEFAULT_VAL_FRACTION, TrainOptions, default_config)
@@ -167,7 +168,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         if seq_len is None:   # what the model allows, up to the default
             seq_len = min(DEFAULT_SEQ_LEN, positions) if positions else DEFAULT_SEQ_LEN
         seq_len = check_int("--seq-len", seq_len, 1)
-        build_model(spec, seq_len)
+        num_params = sum(p.numel() for p in build_model(spec, seq_len)[0].parameters())
 
     config, corpus_bytes = _config(o, job, steps)
     if config.optimizer.overlap_backward and accum > 1:
@@ -192,6 +193,9 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         save_dir = o.save_dir or (save_dir_of(resume) if resume is not None else new_run_dir())
         if resume is None:
             check_fresh_save_dir(save_dir)
+        else:
+            check_no_later_checkpoints(save_dir, start_step, resume)
+        check_save_room(save_dir, checkpoint_bytes(num_params))
 
     off = config.offload
     on_nvme = any(getattr(off, k) == "nvme" for k in ("optimizer", "params", "grads"))
