@@ -3,13 +3,19 @@
 Each sub-command is one ``_add_<name>(subparsers)`` that registers its
 arguments and a ``_run_<name>(args) -> int`` that calls into the library and
 prints. ``main`` returns the exit code; bad arguments or inputs print one line
-on stderr and return 2.
+on stderr and return 2; a run that fails for a reason outside the program (a
+full disk, a corrupt checkpoint or swap file, a rank that hung or died)
+prints one line and returns 1. ``--debug`` (before or after the sub-command)
+shows the traceback instead; an error of any other kind is a bug and always
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -62,6 +68,8 @@ def _run_estimate(args) -> int:
 
     if args.devices < 1:
         raise UsageError(f"--devices must be >= 1, got {args.devices}")
+    if args.tokens is not None and args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1 (tokens per dp rank per step), got {args.tokens}")
     if args.model is not None:
         from infinity.models import GPT, gpt_config
         try:
@@ -331,7 +339,8 @@ def _add_train(sub) -> None:
         description="Train with ZeRO stages 0-3 and device/host/NVMe tiers (see infinity/train/). With no "
                     "arguments: a small built-in GPT on the Python standard library's source, ZeRO-3, with the "
                     f"swap directory ./{DEFAULT_SWAP_DIR}, a checkpoint at the end under ./{DEFAULT_SAVE_ROOT}. "
-                    "Ctrl-C stops after the current step, saves, and removes the swap files (exit code 130). "
+                    "Ctrl-C or SIGTERM stops after the current step, saves, and removes the swap files (exit code "
+                    "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
     p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
@@ -422,14 +431,17 @@ def _run_train(args) -> int:
     except TrainError as e:
         raise UsageError(str(e)) from None
     except RankError as e:
+        if getattr(args, "debug", False) and e.traceback:
+            print(e.traceback, file=sys.stderr, end="")
         print(f"infinity train: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:   # a second Ctrl-C: stopped at once
+    except KeyboardInterrupt as e:   # a second Ctrl-C / SIGTERM: stopped at once
         print("infinity train: interrupted; stopped without finishing the step, swap files removed",
               file=sys.stderr)
-        return 130
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    stopped_code = 128 + (result.stop_signal or signal.SIGINT)   # 130 after SIGINT, 143 after SIGTERM
     if result.rank != 0:    # under torchrun only rank 0 speaks
-        return 130 if result.interrupted else 0
+        return stopped_code if result.interrupted else 0
     s = result.summary
     if result.interrupted:
         done = f"after step {s['steps']} of {s['steps_requested']}" if s.get("steps") is not None else "at once"
@@ -457,7 +469,7 @@ def _run_train(args) -> int:
         if s.get("checkpoint"):
             print(f"saved checkpoint {s['checkpoint']}; continue with: infinity train --resume "
                   f"{Path(s['checkpoint']).parent} --steps N")
-    return 130 if result.interrupted else 0
+    return stopped_code if result.interrupted else 0
 
 
 # ---------------------------------------------------------------- sample
@@ -483,8 +495,9 @@ def _run_sample(args) -> int:
     from infinity.train import TrainError
     from infinity.train.sample import sample_checkpoint
 
-    if args.tokens < 1 or args.top_k < 1 or args.temperature < 0:
-        raise UsageError("--tokens and --top-k must be >= 1 and --temperature >= 0")
+    if args.tokens < 1 or args.top_k < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UsageError(f"--tokens and --top-k must be >= 1 and --temperature a finite number >= 0, got "
+                         f"--tokens {args.tokens}, --top-k {args.top_k}, --temperature {args.temperature}")
     try:
         out = sample_checkpoint(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
     except (TrainError, CheckpointError, ValueError) as e:
@@ -507,7 +520,21 @@ def _parser() -> argparse.ArgumentParser:
     _add_profile(sub)
     _add_consolidate(sub)
     _add_sample(sub)
+    # --debug after the sub-command too; SUPPRESS keeps the main parser's value when it is not repeated
+    parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show tracebacks instead of one-line errors")
     return parser
+
+
+def _run_errors() -> tuple:
+    """Failures of a run whose cause is outside the program: reported in one line (exit 1) unless --debug.
+    Imported only once something failed, so that ``infinity --help`` stays light."""
+    from infinity.checkpoint import CheckpointError
+    from infinity.comm.watchdog import CollectiveTimeout
+    from infinity.store import StoreError
+    return (CheckpointError, StoreError, CollectiveTimeout, OSError)   # OSError covers SwapIOError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -523,9 +550,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except (UsageError, ConfigError) as e:
-        # only input errors become one line; anything else is a bug and keeps its traceback
+        if args.debug:
+            raise
         print(f"infinity {args.command}: {e}", file=sys.stderr)
         return 2
+    except _run_errors() as e:
+        # the input was fine, the world was not (disk, files, other ranks); anything else is a bug and
+        # keeps its traceback
+        if args.debug:
+            raise
+        print(f"infinity {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """The error's own first line; an OSError without a message of its own says its errno's."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    return text or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ __all__ = [
     "ScheduleConfig",
     "ParallelConfig",
     "ZeroPPConfig",
+    "DistConfig",
     "LR_SCHEDULES",
     "parse_size",
     "format_size",
@@ -72,7 +74,10 @@ def parse_size(value: Any, what: str = "size") -> int:
                 f"{what}: cannot read {value!r} as a size; use bytes or a number with one of "
                 "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '512MiB')"
             )
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number):   # "1e400" reads as inf, and int(inf) raises OverflowError
+            raise ConfigError(f"{what}: {value!r} is not a finite size")
+        n = int(number)
     else:
         raise ConfigError(f"{what}: expected a size in bytes or a string like '512MiB', got {value!r}")
     if n < 0:
@@ -148,6 +153,8 @@ def _float(lo=None, lo_open=False):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {v!r}")
         v = float(v)
+        if not math.isfinite(v):   # NaN fails no comparison below, and inf makes every update inf
+            raise ConfigError(f"{key}: expected a finite number, got {v}")
         if lo is not None and (v < lo or (lo_open and v == lo)):
             raise ConfigError(f"{key}: expected a number {'>' if lo_open else '>='} {lo}, got {v}")
         return v
@@ -368,6 +375,25 @@ class ParallelConfig:
                         "of the built-in GPT; the sequence length must divide by tensor")
 
 
+@dataclass(frozen=True)
+class DistConfig:
+    """How long a rank waits for the others before saying so, and before giving up.
+
+    A rank that hangs (stopped, swapping, stuck in a driver) or dies without
+    its sockets closing leaves the others blocked in a collective. torch's
+    default timeout is 30 minutes of silence; a shorter one fails the job
+    sooner, but too short a one fails a healthy job whose ranks are merely
+    uneven (a slow disk, a long checkpoint write on one rank, a big first
+    compile). See :mod:`infinity.comm.watchdog`.
+    """
+
+    timeout_s: float = _f(600.0, _float(0.0, lo_open=True), "seconds a collective may wait for every rank before "
+                          "every waiting rank fails with an error naming it (init_process_group's timeout when "
+                          "initialize creates the group); longer than any legitimate wait, e.g. a checkpoint save")
+    warn_after_s: float = _f(60.0, _float(0.0, lo_open=True), "seconds of waiting in one collective after which "
+                             "a rank logs which collective it waits in and which ranks have not arrived")
+
+
 _SECTIONS = {
     "zero": ZeroConfig,
     "precision": PrecisionConfig,
@@ -379,6 +405,7 @@ _SECTIONS = {
     "schedule": ScheduleConfig,
     "parallel": ParallelConfig,
     "zeropp": ZeroPPConfig,
+    "dist": DistConfig,
 }
 
 
@@ -412,6 +439,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zeropp: ZeroPPConfig = field(default_factory=ZeroPPConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self):
         self._check_cross_fields()
@@ -472,7 +500,17 @@ class Config:
             d[name].update(changes)
         return Config.from_dict(d)
 
+    def _check_finite(self):
+        """Sections built directly (not through :meth:`from_dict`'s parsers) still never carry NaN or inf."""
+        for name in _SECTIONS:
+            for f in dataclasses.fields(getattr(self, name)):
+                value = getattr(getattr(self, name), f.name)
+                values = value if isinstance(value, tuple) else (value,)
+                if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+                    raise ConfigError(f"{name}.{f.name}: expected a finite number, got {value}")
+
     def _check_cross_fields(self):
+        self._check_finite()
         off = self.offload
         on_nvme = [k for k in ("optimizer", "params", "grads") if getattr(off, k) == "nvme"]
         if on_nvme and not self.tiers.nvme_path:
@@ -501,6 +539,9 @@ class Config:
         if self.io.block_bytes % 4096:
             raise ConfigError(f"io.block_bytes: must be a multiple of 4096 for direct I/O, got {self.io.block_bytes}")
         self._check_zeropp()
+        if self.dist.warn_after_s > self.dist.timeout_s:
+            raise ConfigError(f"dist.warn_after_s: {self.dist.warn_after_s:g} is past dist.timeout_s "
+                              f"{self.dist.timeout_s:g}; the warning would never come")
         if self.parallel.tensor > 1 and self.zeropp.enabled:
             raise ConfigError("zeropp: not with parallel.tensor > 1 yet (ZeRO++'s node groups assume consecutive "
                               "data-parallel ranks; with tensor parallelism they are parallel.tensor apart)")

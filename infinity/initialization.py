@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,7 @@ import torch.nn as nn
 
 from infinity.config import Config
 from infinity.store.host_malloc import fix_mmap_threshold
+from infinity.comm import watchdog
 from infinity.comm.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model, materialize_steps
@@ -72,7 +74,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
                            "views into the first engine's buffers. Build a fresh model to initialize again")
     cfg = Config.load(config)
     _bound_host_heap(cfg)
-    device = _init_distributed()
+    device = _init_distributed(cfg)
     on_meta = is_meta_model(model)
     if device.type == "cuda" and not on_meta:
         model.to(device)  # a meta model's units are materialized on the device one at a time instead
@@ -125,19 +127,31 @@ def engine_of(model: nn.Module) -> ZeroEngine:
     return engine
 
 
-def _init_distributed() -> torch.device:
+def _init_distributed(cfg: Config) -> torch.device:
     cuda = torch.cuda.is_available()
     if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise RuntimeError(f"initialize: WORLD_SIZE={os.environ['WORLD_SIZE']} but {missing[0]} is not set; "
                                "start with torchrun or set RANK, MASTER_ADDR and MASTER_PORT")
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # dist.timeout_s, not torch's 30 minutes: a hung rank fails the job in words, soon
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        watchdog.install(dist.get_rank(), dist.get_world_size(), cfg.dist.timeout_s, cfg.dist.warn_after_s,
+                         _default_store())
     if cuda:  # CUDA-only: one device per local rank
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
     return torch.device("cpu")
+
+
+def _default_store():
+    """The default group's key-value store (the watchdog's channel); None where torch does not expose it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _param_groups(model: nn.Module, params) -> list:

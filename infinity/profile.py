@@ -49,6 +49,7 @@ import torch
 from infinity.config import IOConfig, format_size
 from infinity.io import ExtentFile, IOEngine, SwapIOError, aligned_empty, probe_direct_io
 from infinity.io.buffers import tensor_bytes_view
+from infinity.io.new_files import replaced
 from infinity.io.syscalls import O_DIRECT
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 
@@ -508,9 +509,8 @@ def write_profile(profile: dict, out_dir: str | os.PathLike) -> dict:
     """Write ``profile.json`` and the NVMe sweep plot into ``out_dir``; returns their paths."""
     out = Path(out_dir)
     json_path, plot_path = out / PROFILE_JSON, out / PROFILE_PLOT
-    tmp = json_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(profile, indent=2) + "\n")
-    os.replace(tmp, json_path)  # a reader never sees half a profile
+    with replaced(json_path, "w") as f:  # a reader never sees half a profile; no planted symlink is followed
+        f.write(json.dumps(profile, indent=2) + "\n")
     _plot_nvme(profile["nvme"], plot_path)
     return {"json": str(json_path), "plot": str(plot_path)}
 

@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from infinity.io.new_files import replaced
+
 __all__ = ["Tracer", "NULL_TRACER"]
 
 
@@ -85,9 +87,8 @@ class Tracer:
                      for lane, tid in self._lanes.items()]
             doc = {"traceEvents": meta + self._events, "displayTimeUnit": "ms"}
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, path)
+        with replaced(path, "w") as f:   # never through a symlink planted at a guessable temp name
+            f.write(json.dumps(doc))
         return path
 
 

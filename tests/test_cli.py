@@ -102,6 +102,10 @@ def test_estimate_prints_the_minimum_budgets_and_the_rss_bound(capsys, tmp_path)
     (["estimate", "--params", "7B", "--devices", "0"], "--devices must be >= 1"),
     (["estimate", "--params", "7B", "--devices", "two"], "invalid int value: 'two'"),
     (["estimate", "--params", "7B", "--config", "/nonexistent/c.yaml"], "cannot read config file /nonexistent/c.yaml"),
+    (["estimate", "--params", "1e400"], "--params: parameter count '1e400' is not a finite number"),
+    (["estimate", "--model", "tiny", "--tokens", "-5"], "--tokens must be >= 1"),
+    (["sample", "ckpt", "--temperature", "nan"], "--temperature a finite number >= 0, got"),
+    (["sample", "ckpt", "--temperature", "inf"], "--temperature a finite number >= 0, got"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "required: COMMAND"),
 ])

@@ -217,3 +217,39 @@ def test_nvme_config_leaves_no_swap_files(tmp_path):
     assert any(p.is_file() for p in (tmp_path / "swap").rglob("*"))
     infinity.engine_of(model).close()
     assert not any(p.is_file() for p in (tmp_path / "swap").rglob("*"))
+
+
+def _every_key():
+    from infinity.config import _SECTIONS
+    import dataclasses
+    return [(name, f.name) for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("section, key", _every_key(), ids=[f"{s}.{k}" for s, k in _every_key()])
+def test_every_key_refuses_nan_and_inf_by_name(section, key, bad):
+    """No key takes NaN or inf: each is refused with the key's full name in the message."""
+    with pytest.raises(ConfigError, match=rf"^{section}\.{key}: "):
+        Config.from_dict({section: {key: bad}})
+
+
+@pytest.mark.parametrize("text, key", [("optimizer: {weight_decay: .nan}", "optimizer.weight_decay"),
+                                       ("optimizer: {lr: .inf}", "optimizer.lr"),
+                                       ("optimizer: {eps: .nan}", "optimizer.eps"),
+                                       ("optimizer: {betas: [0.9, .nan]}", "optimizer.betas"),
+                                       ("schedule: {clip_grad_norm: .inf}", "schedule.clip_grad_norm"),
+                                       ("precision: {loss_scale: .inf}", "precision.loss_scale"),
+                                       ("tiers: {host_bytes: 1e400}", "tiers.host_bytes")])
+def test_yaml_nan_and_inf_are_refused(tmp_path, text, key):
+    """YAML's .nan / .inf (and a size too large to be finite) fail at load, naming the file and the key."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=rf"{path}: {key}: .*finite"):
+        Config.from_file(path)
+
+
+def test_sections_built_directly_refuse_nan():
+    """A section dataclass built in code, bypassing the parsers, still cannot carry NaN into a Config."""
+    from infinity.config import OptimizerConfig
+    with pytest.raises(ConfigError, match=r"optimizer\.lr: expected a finite number"):
+        Config(optimizer=OptimizerConfig(lr=float("nan")))

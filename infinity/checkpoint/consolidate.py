@@ -19,6 +19,7 @@ parameter, fp32), replicated ones are read from ``tp`` rank 0.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from infinity.checkpoint.manifest import Checkpoint
 from infinity.checkpoint.shard_reader import ShardReader
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, TensorFileWriter
 from infinity.checkpoint.tp_layout import read_full_param, saved_spec
+from infinity.io.new_files import make_private_dir, replaced, temp_name
 from infinity.parallel.tensor_parallel import full_shape
 
 __all__ = ["consolidate", "OUTPUT_DTYPES"]
@@ -48,7 +50,7 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
     tensors = _plan_tensors(ckpt, out_dtype)
     files = _split(tensors, max_shard_bytes)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_out_dir(out)
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
     # fp32 read piece + its cast fit in buffer_bytes
@@ -59,7 +61,10 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
     total_bytes, open_unit = 0, -1
     try:
         for fname, group in zip(names, files):
-            writer = TensorFileWriter(out / fname, [(t["key"], t["dtype"], t["shape"]) for t in group],
+            # written under a new temporary name, then renamed onto the name: a file or a symlink already
+            # there is replaced as a whole, a symlink's target is never written through
+            tmp = temp_name(out / fname)
+            writer = TensorFileWriter(tmp, [(t["key"], t["dtype"], t["shape"]) for t in group],
                                       {"format": "pt"})
             try:
                 for t in group:
@@ -74,10 +79,13 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
                         _copy_param(reader, t, writer, piece_numel)
                     else:
                         writer.write(extras.read(t["key"]).to(t["dtype"]).reshape(-1))
+                total_bytes += writer.close()["bytes"]
+                os.replace(tmp, out / fname)
             except BaseException:
                 writer.abort()
+                if os.path.lexists(tmp):
+                    os.unlink(tmp)
                 raise
-            total_bytes += writer.close()["bytes"]
     finally:
         reader.close()
         if extras is not None:
@@ -85,17 +93,31 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(t["bytes"] for g in files for t in g)},
                  "weight_map": {t["key"]: fname for fname, g in zip(names, files) for t in g}}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        with replaced(out / "model.safetensors.index.json", "w") as f:
+            f.write(json.dumps(index, indent=2))
     wrote = list(names) + (["model.safetensors.index.json"] if len(files) > 1 else [])
     if "hf_config.json" in ckpt.files:
         cfg = json.loads(ckpt.verify("hf_config.json", 0).read_bytes())
         for key in ("torch_dtype", "dtype"):  # transformers moved the name; set whichever it uses
             if key in cfg:
                 cfg[key] = _HF_DTYPE_NAMES[dtype]
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        with replaced(out / "config.json", "w") as f:
+            f.write(json.dumps(cfg, indent=2))
         wrote.append("config.json")
     return {"checkpoint": str(ckpt.dir), "out": str(out), "dtype": dtype, "files": wrote,
             "tensors": len(tensors), "bytes": total_bytes, "step": ckpt.manifest["step"]}
+
+
+def _make_out_dir(out: Path) -> None:
+    """``out`` and any missing parents, new ones private (0700); one line naming the path when it cannot be."""
+    try:
+        if not out.is_dir():
+            if not os.path.lexists(out.parent):   # a file in the way fails below, as 'Not a directory'
+                out.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(out, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"consolidate: cannot create the output directory {out}: {e.strerror or e}; "
+                              "give a writable directory") from None
 
 
 def _plan_tensors(ckpt: Checkpoint, out_dtype: torch.dtype) -> list:

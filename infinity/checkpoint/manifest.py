@@ -31,6 +31,7 @@ import re
 from pathlib import Path
 
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, crc32_file
+from infinity.io.new_files import open_new
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SHARD_TENSORS", "Checkpoint", "unit_layout", "unit_file", "rank_dir",
            "write_json", "resolve_checkpoint_dir", "step_dir_name", "STEP_DIR_RE"]
@@ -72,7 +73,7 @@ def write_json(path, obj) -> tuple:
     """Write, flush and fsync a JSON file; returns its index entry ``{"bytes", "crc32"}``."""
     data = json.dumps(obj, indent=1).encode()
     try:
-        with open(path, "wb") as f:
+        with open_new(path, "wb", 0o644) as f:   # new: a planted symlink is refused, never followed
             f.write(data)
             f.flush()
             os.fsync(f.fileno())

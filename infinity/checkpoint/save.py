@@ -27,6 +27,7 @@ from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SHARD_TENSORS,
                                           step_dir_name, unit_file, unit_layout, write_json)
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, fsync_dir
 from infinity.checkpoint.tp_layout import tp_manifest
+from infinity.io.new_files import replaced
 from infinity.checkpoint.train_state import capture_optimizer, capture_rng, capture_scaler
 from infinity.zero.units import TensorClass
 
@@ -133,16 +134,8 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
 
 def _write_latest(root: Path, name: str) -> None:
     """``latest`` names the newest checkpoint; replaced by rename, so a reader never sees it half-written."""
-    tmp = root / f".latest-{uuid.uuid4().hex[:12]}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, root / "latest")
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with replaced(root / "latest", "w") as f:
+        f.write(name + "\n")
     fsync_dir(root)
 
 

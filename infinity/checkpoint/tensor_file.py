@@ -24,6 +24,7 @@ import zlib
 import torch
 
 from infinity.io.buffers import tensor_bytes_view
+from infinity.io.new_files import open_new
 
 __all__ = ["CheckpointError", "TensorFileWriter", "TensorFileReader", "crc32_file", "DTYPE_CODES",
            "dtype_from_code", "fsync_dir"]
@@ -83,8 +84,10 @@ def crc32_file(path, start: int = 0, end: int | None = None, chunk_bytes: int = 
 class TensorFileWriter:
     """Write ``specs`` = [(name, dtype, shape)] as one safetensors file; data arrives via :meth:`write`.
 
-    Bytes must arrive in declared order (tensor after tensor, each in one or
-    more chunks). :meth:`close` checks every declared byte came, flushes and
+    ``path`` must not exist: it is created ``O_EXCL | O_NOFOLLOW``, so a file or
+    a symlink planted there is refused, never written through (write under a
+    new name and rename to replace a file). Bytes must arrive in declared order
+    (tensor after tensor, each in one or more chunks). :meth:`close` checks every declared byte came, flushes and
     fsyncs, and returns ``{"bytes", "header_crc32", "tensors": {name: crc32}}``.
     Any OS error (a full disk) becomes a :class:`CheckpointError` naming the
     file and bytes written.
@@ -113,7 +116,7 @@ class TensorFileWriter:
         self._crcs: dict = {name: 0 for name, _, _ in self._ends}
         self._current = 0   # index into _ends of the tensor being written
         try:
-            self._file = open(self.path, "wb")
+            self._file = open_new(self.path, "wb", 0o644)   # new: a planted symlink is refused, never followed
             self._file.write(head)
         except OSError as e:
             self._fail(e)

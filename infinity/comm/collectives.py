@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from infinity.comm.watchdog import watch
+
 __all__ = ["Collectives", "LocalCollectives", "CommCounters", "make_collectives"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
@@ -92,17 +94,18 @@ class CommCounters:
 
 
 class Pending:
-    """A launched collective; :meth:`wait` blocks and books the wait time."""
+    """A launched collective; :meth:`wait` blocks (watched, as ``what``) and books the wait time."""
 
-    __slots__ = ("_work", "_counters", "_then")
+    __slots__ = ("_work", "_counters", "_then", "_what")
 
-    def __init__(self, work, counters: CommCounters, then=None):
-        self._work, self._counters, self._then = work, counters, then
+    def __init__(self, work, counters: CommCounters, then=None, what: str = "a collective"):
+        self._work, self._counters, self._then, self._what = work, counters, then, what
 
     def wait(self) -> None:
         if self._work is not None:
             t0 = time.perf_counter()
-            self._work.wait()
+            with watch(self._what):
+                self._work.wait()
             self._counters.wait_s += time.perf_counter() - t0
             self._work = None
         if self._then is not None:
@@ -110,9 +113,9 @@ class Pending:
             then()
 
 
-def _finish(work, counters: CommCounters, then, async_op: bool) -> Pending:
+def _finish(work, counters: CommCounters, then, async_op: bool, what: str = "a collective") -> Pending:
     """Async: the caller waits (and ``then`` runs on wait). Sync: ``then`` runs now."""
-    pending = Pending(work, counters, then)
+    pending = Pending(work, counters, then, what)
     if not async_op:
         pending.wait()
     return pending
@@ -152,14 +155,21 @@ class Collectives:
     def _add(self, kind: str, t: torch.Tensor, ring_times: int, peer_bytes: int) -> None:
         self.counters.add(kind, t.numel(), t.element_size(), self._ring(ring_times), peer_bytes, self._peers)
 
+    def _what(self, kind: str, t: torch.Tensor | None = None) -> str:
+        """How the watchdog names a call: kind, size, group (ranks)."""
+        size = f" of {t.numel() * t.element_size():,} bytes" if t is not None else ""
+        return f"{kind}{size} over ranks {self.members}"
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, then=None) -> Pending:
         """``full`` (N * shard numel) <- every rank's ``shard``, in rank order."""
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(f"all_gather: full buffer has {full.numel()} elements, expected "
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
         self._add("all_gather", full, 1, shard.numel() * shard.element_size())
-        work = _all_gather(full, shard, group=self.group, async_op=async_op)
-        return _finish(work if async_op else None, self.counters, then, async_op)
+        what = self._what("all_gather", full)
+        with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
+            work = _all_gather(full, shard, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op, what)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, average: bool = True,
                        async_op: bool = False, then=None) -> Pending:
@@ -169,8 +179,10 @@ class Collectives:
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
         self._add("reduce_scatter", full, 1, shard.numel() * full.element_size())
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        work = _reduce_scatter(shard, full, op=op, group=self.group, async_op=async_op)
-        return _finish(work if async_op else None, self.counters, then, async_op)
+        what = self._what("reduce_scatter", full)
+        with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
+            work = _reduce_scatter(shard, full, op=op, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op, what)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str = "reduce_scatter", async_op: bool = False,
                    then=None) -> Pending:
@@ -180,39 +192,48 @@ class Collectives:
             raise ValueError(f"all_to_all: expected [{self.world_size}, row] in and out, got {tuple(inp.shape)} "
                              f"and {tuple(out.shape)} (rank {self.rank})")
         self._add(kind, inp, 1, inp[0].numel() * inp.element_size())
-        work = dist.all_to_all_single(out, inp, group=self.group, async_op=async_op)
-        return _finish(work if async_op else None, self.counters, then, async_op)
+        what = self._what("all_to_all", inp)
+        with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
+            work = dist.all_to_all_single(out, inp, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op, what)
 
     def all_reduce(self, tensor: torch.Tensor, average: bool = True, async_op: bool = False, then=None) -> Pending:
         self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return _finish(work if async_op else None, self.counters, then, async_op)
+        what = self._what("all_reduce", tensor)
+        with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return _finish(work if async_op else None, self.counters, then, async_op, what)
 
     def all_reduce_max(self, tensor: torch.Tensor) -> None:
         """Small control all-reduce (overflow flags); counted like any other."""
         self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        with watch(self._what("all_reduce (max)", tensor)):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self._add("all_reduce", tensor, 2, 2 * _slice_bytes(tensor, self.world_size))
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        with watch(self._what("all_reduce (sum)", tensor)):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         self._add("broadcast", tensor, 1, _slice_bytes(tensor, self.world_size))
-        dist.broadcast(tensor, group_src=src, group=self.group)   # src: a rank of this group
+        with watch(self._what("broadcast", tensor)):
+            dist.broadcast(tensor, group_src=src, group=self.group)   # src: a rank of this group
 
     def all_gather_object(self, obj) -> list:
         """Every rank's ``obj`` (control data, e.g. structure signatures); not counted."""
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with watch(self._what("all_gather_object")):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def all_agree(self, ok: bool) -> bool:
         """True only if every rank's ``ok`` is True (control data, 4 bytes; not counted)."""
         device = "cuda" if self.backend == "nccl" else "cpu"   # CUDA-only: NCCL reduces device tensors
         flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        with watch(self._what("all_agree")):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag.item() == 0
 
 

@@ -251,7 +251,10 @@ def parse_param_count(text: str) -> int:
     if not m or suffix not in _COUNT_SUFFIX:
         raise ValueError(f"cannot read {text!r} as a parameter count; use a number with an optional "
                          "K, M, B (or G) or T suffix, e.g. 7B or 125M")
-    n = round(float(m.group(1)) * _COUNT_SUFFIX[suffix])
+    number = float(m.group(1)) * _COUNT_SUFFIX[suffix]
+    if not math.isfinite(number):   # "1e400" reads as inf, which round() cannot make an int
+        raise ValueError(f"parameter count {text!r} is not a finite number")
+    n = round(number)
     if n < 1:
         raise ValueError(f"parameter count {text!r} is less than 1")
     return n

@@ -33,7 +33,7 @@ import torch
 from infinity.config import IOConfig
 from infinity.io.buffers import ALIGN_BYTES, aligned_empty, round_up, tensor_bytes_view
 from infinity.io.checksum import crc32c, crc32c_combine
-from infinity.io.errors import SwapIOError
+from infinity.io.errors import TRUNCATED, SwapIOError
 from infinity.io.syscalls import Syscalls
 
 from infinity.transitions import Transitions
@@ -228,7 +228,7 @@ class IOEngine:
         while done < len(view):  # preadv may return less than asked: loop
             n = self.syscalls.preadv(fd, view[done:], file_offset + done)
             if n <= 0:
-                raise OSError(errno_codes.EIO, f"unexpected end of file at offset {file_offset + done}")
+                raise OSError(errno_codes.EIO, f"{TRUNCATED} at offset {file_offset + done}")
             done += n
 
     def _fail(self, req: _Request, error: BaseException) -> None:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import errno as errno_codes
 import os
 
-__all__ = ["SwapIOError", "ChecksumError"]
+__all__ = ["SwapIOError", "ChecksumError", "TRUNCATED"]
+
+# How a read that found the file shorter than what was written to it starts its message: that is no
+# device error (dmesg shows nothing), something outside the run cut the file
+TRUNCATED = "unexpected end of file"
+_TRUNCATED_HINT = ("the swap file is shorter than what this run wrote to it: something outside the run truncated "
+                   "or replaced it (swap files are private to the run that made them); what it held is lost, "
+                   "resume from the last checkpoint")
 
 # What to do about the errors a swap directory typically runs into.
 _HINTS = {
@@ -37,6 +44,8 @@ class SwapIOError(OSError):
     def __init__(self, errno: int, op: str, path: str, nbytes: int = 0, detail: str = ""):
         what = os.strerror(errno) if errno else "failed"
         hint = _HINTS.get(errno) if self._hinted else None
+        if detail.startswith(TRUNCATED):
+            hint = _TRUNCATED_HINT
         msg = f"swap I/O {op} of {nbytes} bytes on {path} failed: {what}"
         if detail:
             msg += f" ({detail})"

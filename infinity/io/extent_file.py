@@ -112,7 +112,7 @@ class ExtentFile:
         self._counters = {"bytes_read": 0, "bytes_written": 0, "reads": 0, "writes": 0, "failed": 0}
 
         path = os.fspath(path)
-        if path.endswith(".swap"):
+        if path.endswith(".swap") and not os.path.isdir(path):   # a file name; a directory may end in .swap too
             directory, self.path, self._private_dir = os.path.dirname(path) or ".", path, None
             self._check_directory(directory)
         else:
@@ -128,6 +128,9 @@ class ExtentFile:
         try:
             self.direct = self._choose_direct(direct, directory)
             flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | (O_DIRECT if self.direct else 0)
+            # a symlink at the swap file's name is refused (ELOOP), never followed to truncate its target;
+            # in our own fresh directory the file must also be new
+            flags |= getattr(os, "O_NOFOLLOW", 0) | (os.O_EXCL if self._private_dir is not None else 0)
             try:
                 self._fd = self._sys.open(self.path, flags, 0o600)
             except OSError as e:

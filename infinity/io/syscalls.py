@@ -17,6 +17,7 @@ import threading
 
 from infinity.io.buffers import ALIGN_BYTES, aligned_empty, tensor_bytes_view
 from infinity.io.errors import SwapIOError
+from infinity.io.new_files import NEW_FILE_FLAGS
 
 __all__ = ["Syscalls", "probe_direct_io", "O_DIRECT"]
 
@@ -111,12 +112,14 @@ def probe_direct_io(directory: str | os.PathLike) -> bool:
     path = os.path.join(directory, f".infinity-direct-probe-{os.getpid()}-{secrets.token_hex(4)}")
     op = "open"
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | os.O_CLOEXEC, 0o600)
+        # never through a symlink planted at the name: O_EXCL | O_NOFOLLOW refuse one (EEXIST / ELOOP)
+        fd = os.open(path, os.O_RDWR | NEW_FILE_FLAGS | O_DIRECT, 0o600)
     except OSError as e:
-        try:  # the O_DIRECT check comes after O_CREAT made the file (ramfs, older tmpfs)
-            os.unlink(path)
-        except OSError:
-            pass  # not created (the usual case), or the directory is the problem reported below
+        if e.errno != errno_codes.EEXIST:   # what is there is not ours: never unlink it
+            try:  # the O_DIRECT check comes after O_CREAT made the file (ramfs, older tmpfs)
+                os.unlink(path)
+            except OSError:
+                pass  # not created (the usual case), or the directory is the problem reported below
         if e.errno in (errno_codes.EINVAL, errno_codes.EOPNOTSUPP):
             return False
         raise SwapIOError.from_os_error(e, "open (O_DIRECT probe)", directory) from e

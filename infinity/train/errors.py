@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TrainError", "RankError"]
+__all__ = ["TrainError", "RankError", "StoppedAtOnce"]
 
 
 class TrainError(ValueError):
@@ -15,3 +15,11 @@ class RankError(RuntimeError):
     def __init__(self, message: str, traceback: str = ""):
         super().__init__(message)
         self.traceback = traceback
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second stop signal: the run was stopped without finishing its step; ``signum`` is that signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

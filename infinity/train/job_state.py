@@ -30,7 +30,7 @@ from infinity.train.errors import TrainError
 from infinity.train.options import DEFAULT_SAVE_ROOT
 
 __all__ = ["JOB_KEY", "JOB_VERSION", "read_job", "resume_path", "new_run_dir", "check_fresh_save_dir",
-           "save_dir_of"]
+           "save_dir_of", "checkpoint_bytes", "check_save_room", "check_no_later_checkpoints"]
 
 JOB_KEY = "infinity_train"
 JOB_VERSION = 1
@@ -104,3 +104,45 @@ def check_fresh_save_dir(save_dir: str) -> None:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
         raise TrainError(f"--save-dir {d}: {parent} is not writable")
+
+
+def checkpoint_bytes(num_params: int) -> int:
+    """About what one checkpoint of ``num_params`` parameters takes on disk: fp32 master weights and both
+    Adam moments (12 bytes a parameter, over all ranks together), plus 1% and 1 MiB for padding, buffers and
+    the JSON files."""
+    return int(12 * num_params * 1.01) + 2**20
+
+
+def _existing_ancestor(d: Path) -> Path:
+    while not d.exists():
+        d = d.parent
+    return d
+
+
+def check_save_room(save_dir: str, needed_bytes: int) -> None:
+    """Refuse, before training, a save directory whose file system cannot hold one more checkpoint: found at
+    the end, a full disk would cost the whole run's training."""
+    where = _existing_ancestor(Path(save_dir).absolute())
+    if not os.access(where, os.W_OK):
+        raise TrainError(f"--save-dir {save_dir}: {where} is not writable")
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return   # no answer (some network file systems): the save itself will tell
+    free = st.f_bavail * st.f_frsize
+    if free < needed_bytes:
+        raise TrainError(f"--save-dir {save_dir}: {free / 2**20:.1f} MiB free on its file system ({where}), one "
+                         f"checkpoint needs about {needed_bytes / 2**20:.1f} MiB; free space, pick another "
+                         "--save-dir, or train without saving (--no-save)")
+
+
+def check_no_later_checkpoints(save_dir: str, start_step: int, resume: Path) -> None:
+    """A resumed run must not write its ``step_N`` beside checkpoints saved after its resume point: they come
+    from the run it forks from, and one of them would collide with (or be mistaken for) its own."""
+    d = Path(save_dir)
+    later = sorted(int(m.group(1)) for p in d.iterdir() if (m := STEP_DIR_RE.match(p.name))
+                   and int(m.group(1)) > start_step) if d.is_dir() else []
+    if later:
+        raise TrainError(f"--resume {resume}: {d} already holds step_{later[0]:08d}, saved after this checkpoint "
+                         f"(step {start_step}); resume from the newest (--resume {d}), move the later "
+                         "checkpoints away, or give a new --save-dir")

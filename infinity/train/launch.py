@@ -7,12 +7,17 @@
 - under ``torchrun`` (``WORLD_SIZE`` and ``RANK`` set): this process is one rank
   of the launcher's group; multi-node is torchrun's job.
 
-Stopping: the first SIGINT (Ctrl-C) asks every rank to stop after the step it
-is in; the ranks agree on it in the per-step all-reduce that averages the loss
-(see :mod:`infinity.train.loop`), so none is left waiting in a collective.
-Each rank then closes its engine, and the launcher removes the run's swap
-directory. A second SIGINT stops at once (spawned ranks are killed; the swap
-directory is still removed).
+Stopping: the first SIGINT (Ctrl-C) or SIGTERM (a scheduler, ``kill``, a
+container stop) asks every rank to stop after the step it is in: the launcher
+forwards it to its ranks through a shared stop event (a rank sent the signal
+itself sets the same event), and the ranks agree on it in the per-step
+all-reduce that averages the loss (see :mod:`infinity.train.loop`), so none is
+left waiting in a collective. Each rank then saves (when there is a save
+directory) and closes its engine, and the launcher removes the run's swap
+directory; the exit code is 128 + the signal (130, 143). A second signal stops
+at once (spawned ranks are killed; the swap directory is still removed).
+Spawned ranks die with their launcher (:mod:`infinity.train.parent_watch`),
+so a launcher killed with SIGKILL leaves no rank training unsupervised.
 """
 
 from __future__ import annotations
@@ -20,19 +25,20 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import signal
 import socket
+import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from infinity.train.errors import RankError, TrainError
+from infinity.store.run_lock import RunLock, remove_stale_runs
+from infinity.train.errors import RankError, StoppedAtOnce, TrainError
 from infinity.train.loop import run_rank
 from infinity.train.options import TrainOptions, TrainResult
+from infinity.train.parent_watch import die_with_parent
 from infinity.train.resolve import TrainRun, check_int, prepare_swap_dir, resolve, under_torchrun, with_swap_dir
 
 __all__ = ["train", "launch"]
@@ -60,8 +66,9 @@ def train(options: TrainOptions | None = None) -> TrainResult:
         if run.swap_dir is not None:
             prepare_swap_dir(run.swap_dir)   # every rank checks its own node's disk
         # torchrun answers its own SIGINT by sending the workers SIGTERM: both mean "stop after this step"
-        with _StopOnSignal(threading.Event(), (signal.SIGINT, signal.SIGTERM)) as stop:
-            return run_rank(run, int(os.environ["RANK"]), world_size, stop)
+        stopper = _StopOnSignal(threading.Event())
+        with stopper as stop:
+            return stopper.stamp(run_rank(run, int(os.environ["RANK"]), world_size, stop))
     nproc = check_int("--nproc", options.nproc, 1)
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():   # CUDA-only: one device per rank
         raise TrainError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) here, one per rank")
@@ -70,27 +77,31 @@ def train(options: TrainOptions | None = None) -> TrainResult:
 
 def launch(run: TrainRun, nproc: int) -> TrainResult:
     """Run ``run`` on ``nproc`` local ranks in a swap directory of its own, removed afterwards."""
-    run_dir = None
+    run_lock = None
     if run.swap_dir is not None:
         prepare_swap_dir(run.swap_dir)
+        removed, _ = remove_stale_runs(run.swap_dir)   # those of live owners (other jobs) are left alone
+        if removed:
+            print(f"infinity train: removed {len(removed)} swap run director{'y' if len(removed) == 1 else 'ies'} "
+                  f"of dead runs under {run.swap_dir}", file=sys.stderr)
         # a directory per run: two runs sharing a swap dir must not meet in each other's files
-        run_dir = Path(run.swap_dir) / f"run-{os.getpid()}-{time.time_ns() % 10**9}"
-        run_dir.mkdir()
-        run = with_swap_dir(run, str(run_dir))
+        run_lock = RunLock(run.swap_dir)
+        run = with_swap_dir(run, str(run_lock.path))
     try:
         if nproc == 1:
             threads = torch.get_num_threads()
             torch.set_num_threads(_threads_per_rank(1))
             try:
-                with _StopOnSignal(threading.Event()) as stop:
-                    return run_rank(run, 0, 1, stop)
+                stopper = _StopOnSignal(threading.Event())
+                with stopper as stop:
+                    return stopper.stamp(run_rank(run, 0, 1, stop))
             finally:
                 torch.set_num_threads(threads)
         return _spawn(run, nproc)
     finally:
-        if run_dir is not None:
+        if run_lock is not None:
             # the engine closes its own files; this also covers ranks that were killed mid-write
-            shutil.rmtree(run_dir, ignore_errors=True)
+            run_lock.release()
 
 
 def _threads_per_rank(nproc: int) -> int:
@@ -98,18 +109,29 @@ def _threads_per_rank(nproc: int) -> int:
     return max(1, cores // nproc)
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 class _StopOnSignal:
     """While active, the first of ``signals`` sets ``event`` (stop after this step); the next raises
-    KeyboardInterrupt (stop now)."""
+    :class:`StoppedAtOnce` (stop now). ``signum`` is the first signal that came."""
 
-    def __init__(self, event, signals=(signal.SIGINT,)):
+    def __init__(self, event, signals=_STOP_SIGNALS):
         self.event, self.signals = event, signals
+        self.signum: int | None = None
         self._previous: dict = {}
 
     def _handle(self, signum, frame):
-        if self.event.is_set():
-            raise KeyboardInterrupt
+        if self.signum is not None:
+            raise StoppedAtOnce(signum)
+        self.signum = signum
         self.event.set()
+
+    def stamp(self, result: TrainResult) -> TrainResult:
+        """``result`` with the signal that stopped it (when one did and the result does not say)."""
+        if result.stop_signal is None and result.interrupted:
+            result.stop_signal = self.signum
+        return result
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():   # signal handlers live on the main thread
@@ -130,10 +152,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, stop, reports) -> None:
+def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, stop, reports,
+                launcher_pid: int) -> None:
+    die_with_parent(launcher_pid)   # a killed launcher must not leave this rank training unsupervised
     # The terminal's Ctrl-C reaches the whole process group; the parent turns it into `stop`,
     # which every rank honours at the same step. A rank interrupted alone would hang the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM sent to the rank itself (a whole process group stopped) means the same: stop after this step.
+    # The handler only sets a local flag: setting the shared event takes a lock the interrupted main thread
+    # may hold (in stop.is_set()), which would deadlock
+    signalled = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: signalled.set())
+    stop = _EitherStop(stop, signalled)
     torch.set_num_threads(_threads_per_rank(world_size))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -155,6 +185,16 @@ def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, s
             dist.destroy_process_group()
 
 
+class _EitherStop:
+    """A stop request from the launcher (shared) or from a signal this rank got (local)."""
+
+    def __init__(self, shared, local):
+        self.shared, self.local = shared, local
+
+    def is_set(self) -> bool:
+        return self.local.is_set() or self.shared.is_set()
+
+
 def _spawn(run: TrainRun, nproc: int, rank_fn=None) -> TrainResult:
     """Start ``nproc`` ranks running ``rank_fn`` (default: the training loop); rank 0's result.
 
@@ -165,16 +205,21 @@ def _spawn(run: TrainRun, nproc: int, rank_fn=None) -> TrainResult:
     stop, reports = ctx.Event(), ctx.Queue()
     port = _free_port()
     rank_fn = rank_fn or run_rank
-    procs = [ctx.Process(target=_rank_entry, args=(rank_fn, run, r, nproc, port, stop, reports), daemon=True,
-                         name=f"infinity-rank{r}") for r in range(nproc)]
+    procs = [ctx.Process(target=_rank_entry, args=(rank_fn, run, r, nproc, port, stop, reports, os.getpid()),
+                         daemon=True, name=f"infinity-rank{r}") for r in range(nproc)]
     results: dict = {}
     failure = None
     deadline = None
+    # the handler sets a local event; the loop forwards it to the ranks' shared one (setting that from a
+    # handler could deadlock on the lock the interrupted stop.is_set() holds)
+    stopper = _StopOnSignal(threading.Event())
     try:
-        with _StopOnSignal(stop):
+        with stopper as signalled:
             for p in procs:
                 p.start()
             while len(results) < nproc and failure is None:
+                if signalled.is_set() and not stop.is_set():
+                    stop.set()
                 if stop.is_set() and deadline is None:
                     deadline = time.monotonic() + _STOP_GRACE_S
                 if deadline is not None and time.monotonic() > deadline:
@@ -196,13 +241,16 @@ def _spawn(run: TrainRun, nproc: int, rank_fn=None) -> TrainResult:
                     results[rank] = msg[2]
                 else:
                     failure = RankError(f"{msg[2]}{_killed_note(procs, rank)}", msg[3])
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         _kill(procs)
-        return TrainResult(0, nproc, True, {"steps": None, "killed": True})
+        return TrainResult(0, nproc, True, {"steps": None, "killed": True},
+                           stop_signal=getattr(e, "signum", None) or stopper.signum or signal.SIGINT)
     finally:
         _kill(procs)   # after a failure the others may sit in a collective the failed rank will never join
     if failure is not None:
         raise failure
+    if results[0].interrupted and results[0].stop_signal is None:   # a rank signalled alone says SIGTERM
+        results[0].stop_signal = stopper.signum or signal.SIGTERM
     return results[0]
 
 

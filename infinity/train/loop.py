@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from infinity.checkpoint.tensor_file import CheckpointError
+from infinity.comm.watchdog import watch
 from infinity.config import Config
+from infinity.io.new_files import replaced
 from infinity.train.errors import RankError
 from infinity.train.evaluate import evaluate, load_tokenizer, make_datasets, sample_text
 from infinity.train.job_state import JOB_KEY, JOB_VERSION
@@ -35,7 +38,11 @@ from infinity.train.report import Reporter, engine_metrics
 from infinity.train.schedule import build_lr_scheduler
 from infinity.zero.memory_report import warm_torch
 
-__all__ = ["run_rank", "engine_metrics"]
+__all__ = ["run_rank", "engine_metrics", "SAVE_ATTEMPTS", "SAVE_RETRY_S"]
+
+# The last save of a run is retried this often, this far apart (5 minutes in all) before its steps are given up.
+SAVE_ATTEMPTS = 11
+SAVE_RETRY_S = 30.0
 
 
 def run_rank(run: TrainRun, rank: int, world_size: int, stop) -> TrainResult:
@@ -138,10 +145,10 @@ def _train(run: TrainRun, rank: int, world_size: int, stop) -> TrainResult:
                 interrupted = steps_done < run.steps
                 break
             if run.save_dir and run.save_every and steps_done % run.save_every == 0 and steps_done < run.steps:
-                _save(run, model, optimizer, scheduler, steps_done, report)
-                saved_at = steps_done
+                if _save_or_go_on(run, model, optimizer, scheduler, steps_done, report):
+                    saved_at = steps_done
         if run.save_dir and steps_done > saved_at:   # the end of the run, or the step a Ctrl-C let finish
-            _save(run, model, optimizer, scheduler, steps_done, report)
+            _save_retrying(run, model, optimizer, scheduler, steps_done, report, saved_at)
     finally:
         engine.close()
         if report is not None:
@@ -201,13 +208,47 @@ def _save(run: TrainRun, model, optimizer, scheduler, steps_done: int, report) -
         report.checkpoint = str(path)
 
 
+def _save_or_go_on(run: TrainRun, model, optimizer, scheduler, steps_done: int, report) -> bool:
+    """A periodic save; when it fails (every rank learns it from save_checkpoint), training goes on from the
+    state in memory, which is no worse than before the save: the previous checkpoint is intact."""
+    try:
+        _save(run, model, optimizer, scheduler, steps_done, report)
+        return True
+    except CheckpointError as e:
+        if report is not None:
+            report.say(f"infinity train: the checkpoint at step {steps_done} failed ({e}); training goes on and "
+                       "saves again at the next --save-every step and at the end")
+        return False
+
+
+def _save_retrying(run: TrainRun, model, optimizer, scheduler, steps_done: int, report, saved_at: int) -> None:
+    """The last save: the steps since the last checkpoint exist only in memory, so a failure (a full disk)
+    is retried while someone frees space, instead of losing them. Every rank retries in step: each save
+    either succeeds or raises on every rank (save_checkpoint agrees on the outcome)."""
+    for attempt in range(1, SAVE_ATTEMPTS + 1):
+        try:
+            _save(run, model, optimizer, scheduler, steps_done, report)
+            return
+        except CheckpointError as e:
+            if attempt == SAVE_ATTEMPTS:
+                since = f"step {saved_at}" if saved_at > run.start_step or run.resume else "the start"
+                raise CheckpointError(f"{e}; gave up after {SAVE_ATTEMPTS} attempts: the {steps_done - saved_at} "
+                                      f"steps since {since} are lost") from None
+            if report is not None:
+                report.say(f"infinity train: the checkpoint at step {steps_done} failed ({e}); the trained state "
+                           f"is kept: free space under {run.save_dir} (or fix the cause), retrying in "
+                           f"{SAVE_RETRY_S:g} s (attempt {attempt + 1} of {SAVE_ATTEMPTS}; a second Ctrl-C gives up)")
+            time.sleep(SAVE_RETRY_S)
+
+
 def _mean_and_stop(loss: torch.Tensor, stop, world_size: int, device) -> tuple[float, bool]:
     """Loss averaged over ranks, and whether any rank was asked to stop, in one collective."""
     flag = 1.0 if stop.is_set() else 0.0
     if world_size == 1:
         return float(loss), flag > 0
     both = torch.stack([loss.float(), torch.tensor(flag, device=device)])
-    dist.all_reduce(both)   # every rank gets the same flag, so all leave the loop after the same step
+    with watch("the training loop's loss and stop-flag all_reduce (end of step)"):
+        dist.all_reduce(both)   # every rank gets the same flag, so all leave the loop after the same step
     return float(both[0]) / world_size, float(both[1]) > 0
 
 
@@ -225,8 +266,7 @@ def _dump_trace(tracer, path: str, rank: int, world_size: int) -> None:
             p = Path(f"{path}.rank{r}")
             events += json.loads(p.read_text())["traceEvents"]
             p.unlink()
-        tmp = Path(path + ".tmp")
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        os.replace(tmp, path)
+        with replaced(path, "w") as f:   # never through a symlink planted at a guessable temp name
+            f.write(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 

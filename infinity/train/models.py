@@ -17,6 +17,8 @@ again).
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -49,9 +51,12 @@ def _parse_value(text: str):
         return None
     for cast in (int, float):
         try:
-            return cast(text)
+            value = cast(text)
         except ValueError:
-            pass
+            continue
+        if not math.isfinite(value):   # "nan" and "inf" read as floats; no model field wants one
+            raise TrainError(f"--model: {text!r} is not a finite number")
+        return value
     return text
 
 

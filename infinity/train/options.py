@@ -122,3 +122,4 @@ class TrainResult:
     world_size: int
     interrupted: bool
     summary: dict = field(default_factory=dict)
+    stop_signal: int | None = None     # the signal that stopped the run (SIGINT, SIGTERM), if one did

@@ -8,9 +8,32 @@ import sys
 import time
 
 from infinity.config import format_size
+from infinity.io.new_files import replaced
 from infinity.train.resolve import TrainRun
 
 __all__ = ["Reporter", "engine_metrics", "memory_line"]
+
+
+def _drop_steps_from(path: str, first_step: int) -> None:
+    """Remove the records of steps >= ``first_step``: the run that wrote them went on past its last
+    checkpoint, and the resumed run does those steps again (same data, same losses) and writes them itself."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    if lines and not lines[-1].endswith("\n"):
+        lines = lines[:-1]   # half a line: the writer was killed while writing it
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] >= first_step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            pass   # not a step record: kept as it was, not ours to judge
+        kept.append(line)
+    with replaced(path, "w") as f:
+        f.writelines(kept)
 
 
 class Reporter:
@@ -24,7 +47,9 @@ class Reporter:
         self.checkpoint: str | None = None
         self.memory: dict | None = None  # the memory report of the step with the highest peak RSS
         self.t_start = time.perf_counter()
-        # a resumed run appends: one metrics file holds the whole run
+        # a resumed run appends: one metrics file holds the whole run, each step once
+        if run.metrics and run.start_step:
+            _drop_steps_from(run.metrics, run.start_step)
         self.metrics = open(run.metrics, "a" if run.start_step else "w") if run.metrics else None
         self.bar = None
         if run.progress:

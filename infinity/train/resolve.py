@@ -9,15 +9,19 @@ swap directory. Each error is one :class:`TrainError` naming the flag.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from infinity.config import Config, ConfigError, parse_size
+from infinity.io.new_files import create_new, make_private_dir
 from infinity.train.errors import TrainError
-from infinity.train.job_state import check_fresh_save_dir, new_run_dir, read_job, resume_path, save_dir_of
+from infinity.train.job_state import (check_fresh_save_dir, check_no_later_checkpoints, check_save_room,
+                                      checkpoint_bytes, new_run_dir, read_job, resume_path, save_dir_of)
 from infinity.train.models import ModelSpec, build_model, max_positions, parse_model_spec
 from infinity.train.options import (DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
                                     DEFAULT_SWAP_DIR, DEFAULT_VAL_FRACTION, TrainOptions, default_config)
@@ -83,24 +87,34 @@ def _check_output(flag: str, path: str | None) -> str | None:
 
 
 def prepare_swap_dir(swap_dir: str) -> None:
-    """Create ``swap_dir`` and prove a file can be written there, before any rank starts."""
+    """Create ``swap_dir`` (0700, as the swap files are private) and prove a file can be written there,
+    before any rank starts. The probe file is new (O_EXCL | O_NOFOLLOW, an unguessable name): a symlink
+    planted in the shared directory is never followed."""
     p = Path(swap_dir)
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        probe = p / f".infinity-probe-{os.getpid()}"
-        with open(probe, "wb") as f:
-            f.write(b"\0" * 4096)
-        probe.unlink()
+        if not p.is_dir():
+            if not os.path.lexists(p.parent):   # a file in the way fails below, as 'Not a directory'
+                p.parent.mkdir(parents=True, exist_ok=True)
+            make_private_dir(p, exist_ok=True)
+        probe = p / f".infinity-probe-{os.getpid()}-{secrets.token_hex(4)}"
+        fd = create_new(probe)
+        try:
+            os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+            probe.unlink()
     except OSError as e:
         raise TrainError(f"swap directory {p}: cannot create or write files there "
                          f"({e.strerror or e}); set --swap-dir to a writable directory on a local disk") from None
 
 
 def _check_number(flag: str, value, least: float, below: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= least or \
-            (below is not None and not value < below):
+    """A finite number in [least, below): NaN and inf are refused here, naming the flag, not later as a
+    diverged loss blamed on the learning rate."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            not value >= least or (below is not None and not value < below):
         where = f"in [{least:g}, {below:g})" if below is not None else f">= {least:g}"
-        raise TrainError(f"{flag} must be a number {where}, got {value!r}")
+        raise TrainError(f"{flag} must be a finite number {where}, got {value!r}")
     return float(value)
 
 
@@ -138,8 +152,9 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
     if batch_size % (world_size * accum):
         raise TrainError(f"--batch-size {batch_size} does not split evenly over {world_size} rank(s) x "
                          f"--accum {accum}; use a multiple of {world_size * accum}")
-    if o.lr is not None and (isinstance(o.lr, bool) or not isinstance(o.lr, (int, float)) or not o.lr >= 0):
-        raise TrainError(f"--lr must be a number >= 0, got {o.lr!r}")
+    for flag, value in (("--lr", o.lr), ("--min-lr", o.min_lr), ("--clip-grad-norm", o.clip_grad_norm)):
+        if value is not None:
+            _check_number(flag, value, 0.0)
     if o.stage is not None and o.stage not in (0, 1, 2, 3):
         raise TrainError(f"--stage must be 0, 1, 2 or 3, got {o.stage!r}")
     if eval_every and val_fraction == 0.0:
@@ -153,7 +168,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         if seq_len is None:   # what the model allows, up to the default
             seq_len = min(DEFAULT_SEQ_LEN, positions) if positions else DEFAULT_SEQ_LEN
         seq_len = check_int("--seq-len", seq_len, 1)
-        build_model(spec, seq_len)
+        num_params = sum(p.numel() for p in build_model(spec, seq_len)[0].parameters())
 
     config, corpus_bytes = _config(o, job, steps)
     if config.optimizer.overlap_backward and accum > 1:
@@ -178,6 +193,9 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         save_dir = o.save_dir or (save_dir_of(resume) if resume is not None else new_run_dir())
         if resume is None:
             check_fresh_save_dir(save_dir)
+        else:
+            check_no_later_checkpoints(save_dir, start_step, resume)
+        check_save_room(save_dir, checkpoint_bytes(num_params))
 
     off = config.offload
     on_nvme = any(getattr(off, k) == "nvme" for k in ("optimizer", "params", "grads"))

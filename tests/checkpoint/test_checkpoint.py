@@ -294,7 +294,9 @@ def test_tensor_file_rejects_malformed(tmp_path):
     path.write_bytes(good[:-3])
     with pytest.raises(CheckpointError, match=r"tensor 'b' offsets \[12, 20\) disagree"):
         TensorFileReader(path, "test")
-    w = TensorFileWriter(path, [("a", torch.float32, (3,))])
+    with pytest.raises(CheckpointError, match="File exists"):   # a writer makes a new file, never overwrites
+        TensorFileWriter(path, [("a", torch.float32, (3,))])
+    w = TensorFileWriter(tmp_path / "short.safetensors", [("a", torch.float32, (3,))])
     w.write(torch.zeros(2))
     with pytest.raises(CheckpointError, match="8 data bytes written, header declares 12"):
         w.close()

@@ -550,3 +550,21 @@ def test_engine_close_finishes_pending_work_then_refuses(tmp_path):
     f.close()
     with pytest.raises(ValueError, match="block_bytes"):
         IOEngine(IOConfig(block_bytes=1000))
+
+
+def test_a_truncated_swap_file_is_not_blamed_on_the_device(tmp_path):
+    """A swap file cut short by someone else reads as truncated (resume from a checkpoint), not as a disk
+    error to look up in dmesg."""
+    with IOEngine() as engine:
+        f = ExtentFile(str(tmp_path), engine, direct=False)
+        try:
+            f.write("k", torch.arange(4096, dtype=torch.float32)).result()
+            f.flush()
+            os.truncate(f.path, 0)
+            with pytest.raises(SwapIOError) as info:
+                f.read("k", torch.empty(4096, dtype=torch.float32)).result()
+        finally:
+            f.close()
+    msg = str(info.value)
+    assert "unexpected end of file" in msg and "shorter than what this run wrote" in msg
+    assert "dmesg" not in msg and "\n" not in msg

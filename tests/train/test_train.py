@@ -202,6 +202,12 @@ BAD = [
     (["--metrics", "/nonexistent/dir/m.jsonl"], "--metrics /nonexistent/dir/m.jsonl: directory /nonexistent/dir"),
     (["--config", "/nonexistent.yaml"], "cannot read config file /nonexistent.yaml"),
     (["--stage", "7"], "argument --stage: invalid choice: 7"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0, got inf"),
+    (["--min-lr", "inf"], "--min-lr must be a finite number >= 0, got inf"),
+    (["--clip-grad-norm", "nan"], "--clip-grad-norm must be a finite number >= 0, got nan"),
+    (["--val-fraction", "nan"], "--val-fraction must be a finite number in [0, 0.5), got nan"),
+    (["--model", "tiny:dropout=nan"], "--model: 'nan' is not a finite number"),
 ]
 
 

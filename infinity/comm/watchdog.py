@@ -1,0 +1,185 @@
+"""Which collective a rank is stuck in, and which ranks it waits for.
+
+Without this, a rank that hangs (SIGSTOP, a stuck driver, swapping) leaves
+the others blocked in a collective in silence until torch's timeout, and
+the error then names a socket, not the collective. Every blocking
+collective runs inside :func:`watch` (``Collectives`` does it for the
+engine's; the training loop for its own). A daemon thread looks at what
+this rank waits in:
+
+- past half of ``dist.warn_after_s`` it publishes "rank r waits in
+  collective #n" to the process group's key-value store; past all of it, it
+  reads the other ranks' entries and logs one line: the collective, how long,
+  and the ranks that are not waiting in it (they have not arrived; a rank
+  that came less than half the threshold before is counted as arrived);
+- the process group's own timeout (``dist.timeout_s``, given to
+  ``init_process_group``) makes the blocked call raise; :func:`watch` turns
+  that into :class:`CollectiveTimeout`, one line naming the collective and
+  the ranks that had not arrived, so every waiting rank fails with the same
+  kind of message instead of a socket error;
+- a backend that never raises (NCCL can hang for good) is ended by the
+  thread itself at twice the timeout: it prints that line and exits the
+  process (exit code 124), which the launcher reports.
+
+Collectives are counted per process in call order, which is the same on
+every rank (they are collective), so "#n" names the same call everywhere.
+Publishing goes to the store only once a wait is already long: a healthy
+step never touches it. When the store itself does not answer (it lives in
+rank 0, which may be the stuck one) the line says the ranks are unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["CollectiveTimeout", "install", "uninstall", "watch", "installed"]
+
+_KEY = "infinity/collective_wait/{rank}"
+_HARD_EXIT_CODE = 124
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited past ``dist.timeout_s``; the message names it and the ranks that had not arrived."""
+
+
+@dataclass
+class _Wait:
+    seq: int
+    what: str
+    since: float
+    published: bool = False
+    warned: bool = False
+    missing: str = "unknown"   # the ranks not waiting in it, as the watchdog last saw them
+
+
+class _Watchdog:
+    def __init__(self, rank: int, world_size: int, timeout_s: float, warn_after_s: float, store=None,
+                 log=None, hard_exit: bool = True):
+        self.rank, self.world_size = rank, world_size
+        self.timeout_s, self.warn_after_s = timeout_s, warn_after_s
+        self.store = store
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.hard_exit = hard_exit
+        self.seq = 0
+        self.current: _Wait | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="infinity-collective-watchdog")
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the blocked thread's side
+
+    def enter(self, what: str) -> _Wait:
+        with self._lock:
+            self.seq += 1
+            self.current = _Wait(self.seq, what, time.monotonic())
+            return self.current
+
+    def leave(self, wait: _Wait) -> None:
+        with self._lock:
+            if self.current is wait:
+                self.current = None
+
+    def describe(self, wait: _Wait, waited_s: float) -> str:
+        return (f"{wait.what} (collective #{wait.seq}) waited {waited_s:.0f} s for the other "
+                f"ranks (dist.timeout_s {self.timeout_s:g}); not arrived: {wait.missing}. A rank is stopped, hung "
+                "or dead; its own log says why")
+
+    # ---------------------------------------------------------------- the watchdog thread
+
+    def _run(self) -> None:
+        tick_s = max(0.05, min(1.0, self.warn_after_s / 4))
+        while not self._closed.wait(tick_s):
+            with self._lock:
+                wait = self.current
+            if wait is None:
+                continue
+            waited = time.monotonic() - wait.since
+            if waited >= self.warn_after_s / 2 and not wait.published:
+                wait.published = True
+                self._publish(wait)
+            if waited >= self.warn_after_s and not wait.warned:
+                wait.warned = True
+                wait.missing = self._not_arrived(wait)
+                self.log(f"infinity: rank {self.rank} has waited {waited:.0f} s in {wait.what} "
+                         f"(collective #{wait.seq}); not arrived: {wait.missing}")
+            if self.hard_exit and waited >= 2 * self.timeout_s:
+                self.log(f"infinity: rank {self.rank}: {self.describe(wait, waited)}; exiting (the backend did not "
+                         "time out)")
+                os._exit(_HARD_EXIT_CODE)
+
+    def _publish(self, wait: _Wait) -> None:
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(_KEY.format(rank=self.rank), str(wait.seq))
+            except Exception:   # noqa: BLE001 - a store that does not answer is reported when reading
+                pass
+
+    def _not_arrived(self, wait: _Wait) -> str:
+        """Ranks that are not waiting in this collective, from the store; 'unknown' if it does not answer."""
+        if self.store is None or self.world_size == 1:
+            return "unknown"
+        try:
+            keys = [_KEY.format(rank=r) for r in range(self.world_size)]
+            present = [r for r, k in enumerate(keys) if r != self.rank and self.store.check([k])]
+            seqs = dict(zip(present, (int(self.store.get(keys[r])) for r in present)))
+        except Exception:   # noqa: BLE001 - the store is in rank 0's process, which may be the stuck one
+            return "unknown (the process group's store does not answer: rank 0 may be the stuck one)"
+        missing = [r for r in range(self.world_size) if r != self.rank and seqs.get(r, 0) < wait.seq]
+        return "ranks " + ", ".join(map(str, missing)) if missing else "none (every rank waits: a backend stall)"
+
+    def close(self) -> None:
+        self._closed.set()
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def install(rank: int, world_size: int, timeout_s: float, warn_after_s: float, store=None, log=None,
+            hard_exit: bool = True) -> None:
+    """Watch this process's collectives from now on (replacing an earlier watchdog)."""
+    global _WATCHDOG
+    uninstall()
+    _WATCHDOG = _Watchdog(rank, world_size, timeout_s, warn_after_s, store, log, hard_exit)
+
+
+def uninstall() -> None:
+    global _WATCHDOG
+    if _WATCHDOG is not None:
+        _WATCHDOG.close()
+        _WATCHDOG = None
+
+
+def installed() -> bool:
+    return _WATCHDOG is not None
+
+
+def _is_timeout(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+@contextmanager
+def watch(what: str) -> Iterator[None]:
+    """Run a blocking collective named ``what``; a timeout in it raises :class:`CollectiveTimeout`."""
+    dog = _WATCHDOG
+    if dog is None:
+        yield
+        return
+    wait = dog.enter(what)
+    try:
+        yield
+    except RuntimeError as e:   # DistBackendError is a RuntimeError
+        if isinstance(e, CollectiveTimeout) or not _is_timeout(e):
+            raise
+        waited = time.monotonic() - wait.since
+        # (the store is not asked from here: it may be in the stuck rank, and would block this one as long again)
+        raise CollectiveTimeout(dog.describe(wait, waited)) from e
+    finally:
+        dog.leave(wait)
