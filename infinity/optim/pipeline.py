@@ -353,7 +353,7 @@ class AdamPipeline:
 
     def _stage_to_host(self, value: torch.Tensor, grads_ready) -> _Staged:
         host = _host_buffer(value)
-        return _Staged(host, self._device_copier(value).copy(host, value, after=grads_ready))
+        return _Staged(host, self._device_copier(value).to_host(host, value, after=grads_ready))
 
     def _device_copier(self, like: torch.Tensor) -> DeviceCopier:
         with self._copier_lock:
@@ -469,7 +469,7 @@ class AdamPipeline:
                     o.copy_(master[lo:hi])
         if to_device:
             # off the compute thread; the copy's closure holds `out` alive until it has landed
-            return final, self._device_copier(final).copy(final, out)
+            return final, self._device_copier(final).to_device(final, out)
         if final is not None and out is not final:
             # device master -> host-stored parameter (optimizer kept on the device): blocking
             final.copy_(out)
