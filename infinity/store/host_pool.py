@@ -117,6 +117,17 @@ class HostBufferPool:
         self._free_buffers(dropped)
         return freed_bytes
 
+    def close(self) -> int:
+        """Free every buffer, cached or still handed out (pinned: unlocked; a buffer still referenced
+        stays valid memory, just pageable). For an owner shutting down with no copy in flight, e.g.
+        after an error left buffers unreleased. Returns the bytes freed."""
+        freed_bytes = self.trim()
+        if self.pinned is not None:
+            freed_bytes += self.pinned.free_all()
+        with self._lock:
+            self.in_use_bytes = 0
+        return freed_bytes
+
     def end_window(self) -> int:
         """End a window (module doc): free cached buffers, oldest first, until the pool holds no more
         than what is in use now (unpinned) or the most it had in use at once during the window

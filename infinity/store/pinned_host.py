@@ -120,6 +120,21 @@ class PinnedHostMemory:
             self.pinned_bytes -= self._registered.pop(ptr)
             self.unregistrations += 1
 
+    def free_all(self) -> int:
+        """Unregister every buffer still registered (its owner is shutting down; no copy may be in
+        flight). Returns the bytes unlocked."""
+        with self._lock:
+            ptrs = list(self._registered)
+        freed_bytes = 0
+        for ptr in ptrs:
+            self.registrar.unregister(ptr)
+            with self._lock:
+                size = self._registered.pop(ptr)
+                self.pinned_bytes -= size
+                self.unregistrations += 1
+            freed_bytes += size
+        return freed_bytes
+
     def stats(self) -> dict:
         with self._lock:
             return {"pinned_bytes": self.pinned_bytes, "peak_pinned_bytes": self.peak_pinned_bytes,

@@ -149,3 +149,15 @@ def test_store_op_whose_pinning_fails_names_the_cause_and_keeps_the_key(tmp_path
             s.get("a", Tier.HOST)
     finally:
         s.close()
+
+
+def test_closing_a_pinned_pool_unlocks_buffers_still_handed_out():
+    """An owner that stops after an error may not have released every buffer: closing its pool unlocks
+    them anyway, and a view still held stays usable memory."""
+    reg = RecordingRegistrar()
+    pool = HostBufferPool(8 * PAGE_BYTES, registrar=reg)
+    held = pool.acquire(2 * PAGE_BYTES)
+    pool.release(pool.acquire(PAGE_BYTES))
+    assert pool.close() == 3 * PAGE_BYTES
+    assert reg.locked_bytes == 0 and pool.stats()["pinned_bytes"] == 0 and pool.stats()["in_use_bytes"] == 0
+    held.fill_(3)
