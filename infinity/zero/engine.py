@@ -53,7 +53,7 @@ import torch.nn as nn
 from infinity.config import Config
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import TensorStore
-from infinity.store.budget import resolve_budgets
+from infinity.store.budget import DeviceHeadroom, resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
@@ -149,12 +149,18 @@ class ZeroEngine:
 
         sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
         if self.placement.any_offload:   # refused before anything is written
-            budgets = resolve_budgets(config.tiers, self.device)
+            # device auto leaves room for what the step holds outside the store: gathered parameters
+            # (stage 3: the live cap; else all), their gradients and one reduce bucket
+            gathered = self.max_live_bytes if self.stage == 3 else sum(full_bytes.values())
+            grads = gathered * _itemsize(self.reduce_dtype) // _itemsize(self.param_dtype)
+            headroom = DeviceHeadroom(working_set_bytes=gathered + grads + config.zero.bucket_bytes)
+            budgets = resolve_budgets(config.tiers, self.device, headroom)
             self.placement.check_budgets(self.units, *sizes, budgets)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
-                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
+                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank,
+                                         budgets=budgets)   # "auto" measured once, checked above
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
             self.update = ShardUpdate(self, config.optimizer)
             self.gathers = UnitGathers(self.units, self.coll, self.live, self.prefetcher, self.update, self.tracer,
