@@ -349,6 +349,7 @@ def test_release_waits_for_operation_in_flight_and_close_removes_swap_file(tmp_p
     s.close()                                            # idempotent
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host buffers and side-stream copies")
 def test_cuda_round_trip_pinned_and_side_stream(tmp_path):
     s = TensorStore(TiersConfig(device_bytes=64 * KiB, host_bytes=64 * KiB), IOConfig(), device="cuda",
