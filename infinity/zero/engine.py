@@ -103,7 +103,7 @@ class ZeroEngine:
         self.reduce_dtype = DTYPES[config.precision.reduce_dtype]
         on_meta = meta.is_meta_model(model)
         self.device = device or next((p.device for p in model.parameters() if not on_meta), torch.device("cpu"))
-        self.stats = EngineStats(self.coll.counters)
+        self.stats = EngineStats(self.coll.counters, self.device)   # on CUDA: device-side phase times too
         self.tracer = Tracer(self.world_rank)
         self.shard_world = 1 if self.stage == 0 else self.world_size
         self.shard_rank = 0 if self.stage == 0 else self.rank
