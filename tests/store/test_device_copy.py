@@ -121,3 +121,69 @@ def test_close_runs_what_is_queued_then_refuses_more():
     assert f.done() and torch.equal(dst, torch.ones(4))
     with pytest.raises(RuntimeError, match="closed"):
         c.to_host(torch.empty(1), torch.ones(1))
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: side streams and events")
+SLEEP_CYCLES = 2_000_000   # ~1 ms: longer than the copies, so a missing wait reads stale bytes
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_lanes_run_on_the_copiers_device_and_their_own_streams():
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    c = DeviceCopier(dev)
+    try:
+        seen = {}
+
+        def where(name):
+            return lambda _f: seen.setdefault(name, (torch.cuda.current_device(), torch.cuda.current_stream()))
+        c.to_device(torch.empty(4, device=dev), torch.ones(4)).add_done_callback(where("to_device"))
+        c.to_host(torch.empty(4), torch.ones(4, device=dev)).add_done_callback(where("to_host"))
+        c.close()
+        assert seen["to_device"] == (dev.index, c._to_device.stream)
+        assert seen["to_host"] == (dev.index, c._to_host.stream)
+        assert c._to_device.stream != c._to_host.stream != torch.cuda.default_stream(dev)
+    finally:
+        c.close()
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_delayed_producer_and_copy_streams_give_bitwise_the_produced_bytes():
+    """The producer's kernels are queued behind a sleep, then a copy to host is asked for at once: it must
+    wait for them. The copy stream is kept busy before a copy to the device: the future must not be done
+    before the bytes have landed."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    c = DeviceCopier(dev)
+    try:
+        host = torch.empty(1 << 20, pin_memory=True)
+        x = torch.zeros(1 << 20, device=dev)
+        for k in range(16):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            x.fill_(k + 1.0)
+            c.to_host(host, x).result(WAIT_S)
+            assert torch.equal(host, torch.full_like(host, k + 1.0)), f"round {k}: read before the producer wrote"
+            host.fill_(-k - 1.0)
+            with torch.cuda.stream(c._to_device.stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+            c.to_device(x, host).result(WAIT_S)
+            assert torch.equal(x.cpu(), torch.full((1 << 20,), -k - 1.0)), f"round {k}: done before it landed"
+    finally:
+        c.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices: a context on GPU 0 is the failure")
+def test_cuda_a_copier_on_another_gpu_creates_no_context_on_gpu_0():
+    code = ("import torch\n"
+            "from infinity.store.device_copy import DeviceCopier\n"
+            "torch.cuda.set_device(1)\n"
+            "c = DeviceCopier(torch.device('cuda', 1))\n"
+            "x = torch.ones(1024, device='cuda:1'); h = torch.empty(1024)\n"
+            "c.to_host(h, x).result(); c.to_device(x, h).result(); c.close()\n"
+            "print(torch._C._cuda_hasPrimaryContext(0))\n")
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False", "the copier created a CUDA context on GPU 0"

@@ -161,3 +161,38 @@ def test_closing_a_pinned_pool_unlocks_buffers_still_handed_out():
     assert pool.close() == 3 * PAGE_BYTES
     assert reg.locked_bytes == 0 and pool.stats()["pinned_bytes"] == 0 and pool.stats()["in_use_bytes"] == 0
     held.fill_(3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister")
+def test_cuda_registered_buffers_are_page_locked_exactly_and_unlocked_on_free():
+    from infinity.store.pinned_host import CudaHostRegistrar
+
+    mem = PinnedHostMemory(CudaHostRegistrar(torch.device("cuda", torch.cuda.current_device())))
+    nbytes = 64 * 2**20 + 4096                        # the caching allocator would pin 128 MiB for this
+    buf = mem.allocate(nbytes)
+    assert buf.is_pinned() and mem.stats()["pinned_bytes"] == round_to_pages(nbytes)
+    buf.copy_(torch.randint(0, 256, (buf.numel(),), dtype=torch.uint8))
+    dev = buf.to("cuda", non_blocking=True)
+    back = torch.empty_like(buf)
+    back.copy_(dev)
+    assert torch.equal(back, buf)
+    torch.cuda.synchronize()
+    mem.free(buf)
+    assert not buf.is_pinned() and mem.stats()["pinned_bytes"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host buffers")
+def test_cuda_store_pins_exactly_its_host_tier(tmp_path):
+    s = TensorStore(TiersConfig(device_bytes=1 << 22, host_bytes=1 << 22), IOConfig(), device="cuda",
+                    swap_dir=str(tmp_path))
+    try:
+        for i, n in enumerate([3000, 10_000, 70_000]):
+            s.register(f"k{i}", torch.full((n,), float(i)), home=Tier.HOST).result()
+        st_ = s.stats()
+        assert st_["host_pool"]["pinned"] and st_["host_pool"]["pinned_bytes"] == st_["tier_bytes"]["host"]
+        assert s.get("k2", Tier.HOST).is_pinned()
+    finally:
+        s.close()
+    assert s.stats()["host_pool"]["pinned_bytes"] == 0
