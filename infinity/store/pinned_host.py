@@ -62,9 +62,9 @@ class CudaHostRegistrar:
         with torch.cuda.device(self.device):
             code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
         if code != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}; "
-                               "the page-locked memory limit (ulimit -l) or RAM may be exhausted: lower "
-                               "tiers.host_bytes")
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: "
+                               "the driver could not page-lock it (host RAM exhausted by other pinned memory?); "
+                               "lower tiers.host_bytes")
 
     def unregister(self, ptr: int) -> None:   # CUDA-only
         with torch.cuda.device(self.device):
@@ -95,8 +95,14 @@ class PinnedHostMemory:
         size = round_to_pages(nbytes)
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)   # anonymous, page-aligned, zero-filled
+        if hasattr(mmap, "MADV_DONTFORK"):
+            # A forked child (a DataLoader worker) would make these pages copy-on-write, and the parent's
+            # next write would move it to a fresh page while the GPU's DMA still targets the old one.
+            mapping.madvise(mmap.MADV_DONTFORK)
         # The tensor keeps the mapping alive (frombuffer holds a reference); unmapped with the last view.
-        buf = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+        buf = torch.frombuffer(mapping, dtype=torch.uint8)
+        del mapping
         ptr = buf.data_ptr()
         self.registrar.register(ptr, size)
         with self._lock:
