@@ -104,12 +104,12 @@ class CopyLane:
                 self._pending -= 1
                 self._cond.notify_all()
             # completed outside the lock: the store's callbacks may submit the transfer's next copy
-            if cancelled:
-                continue
-            if error is not None:
+            if not cancelled and error is not None:
                 fut.set_exception(error)
-            else:
+            elif not cancelled:
                 fut.set_result(None)
+            # the tensors go now, not when the next copy comes: a freed copy's memory must not linger
+            del fut, dst, src, ready, error
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready) -> None:
         if not self.cuda:

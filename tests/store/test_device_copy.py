@@ -187,3 +187,20 @@ def test_cuda_a_copier_on_another_gpu_creates_no_context_on_gpu_0():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False", "the copier created a CUDA context on GPU 0"
+
+
+def test_a_lane_drops_its_tensors_once_their_copy_is_done(copier):
+    """The worker must not keep the last copy's tensors alive while it waits for the next one: the store
+    frees a copy's memory once its hop is done, and an idle lane holding it would keep it allocated."""
+    import weakref
+
+    src, dst = torch.ones(1000), torch.empty(1000)
+    gone = weakref.ref(src)
+    copier.to_host(dst, src).result(WAIT_S)
+    del src
+    deadline = threading.Event()
+    for _ in range(100):          # the worker drops them right after completing the future
+        if gone() is None:
+            break
+        deadline.wait(0.01)
+    assert gone() is None, "the idle lane still holds the source of its last copy"
