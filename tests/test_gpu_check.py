@@ -78,3 +78,11 @@ def test_a_failing_stage_writes_its_error_into_its_json(tmp_path):
     result = gpu_check.run_stage("loss", tmp_path, model="no-such-size", steps=1)
     assert not result["ok"] and "unknown GPT size" in result["error"]
     assert json.loads((tmp_path / "loss.json").read_text())["error"] == result["error"]
+
+
+def test_the_loss_stage_compares_an_offloaded_run_streaming_through_the_disk_with_auto_budgets(tmp_path):
+    result = gpu_check.run_stage("loss", tmp_path, model="tiny", steps=2, seq_len=32)
+    assert result["ok"] and result["steps"] == 2 and result["max_rel_diff"] <= result["rel_tol"]
+    assert result["host_budget_bytes"] > 0 and result["device_budget_bytes"] > 0   # auto, resolved
+    assert result["store_peak_bytes"]["nvme"] > 0 and result["pinned_within_host_budget"]
+    assert json.loads((tmp_path / "loss.json").read_text())["losses"] == result["losses"]
