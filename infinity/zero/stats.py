@@ -33,7 +33,8 @@ class DeviceTimer:
 
     def __init__(self, device: torch.device, make_event: Callable | None = None):
         self.device = device
-        self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True))   # CUDA-only
+        # CUDA-only; blocking: the step's end sleeps on the last event instead of spinning a core
+        self._make_event = make_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
         self._open: dict = {}                       # phase -> start event
         self._pairs: list = []                      # (phase, start, stop) this step
 
