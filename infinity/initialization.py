@@ -129,21 +129,24 @@ def engine_of(model: nn.Module) -> ZeroEngine:
 
 def _init_distributed(cfg: Config) -> torch.device:
     cuda = torch.cuda.is_available()
+    device = torch.device("cpu")
+    if cuda:  # CUDA-only: one device per local rank, set first so NCCL's communicator is made on it
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if dist.is_available() and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
         if missing:
             raise RuntimeError(f"initialize: WORLD_SIZE={os.environ['WORLD_SIZE']} but {missing[0]} is not set; "
                                "start with torchrun or set RANK, MASTER_ADDR and MASTER_PORT")
-        # dist.timeout_s, not torch's 30 minutes: a hung rank fails the job in words, soon
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s))
+        # dist.timeout_s, not torch's 30 minutes: a hung rank fails the job in words, soon.
+        # CUDA-only: device_id binds the group to this rank's device: NCCL forms its communicator there
+        # at once (a bad setup fails here, not at the first collective) instead of guessing a device
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=cfg.dist.timeout_s),
+                                **({"device_id": device} if cuda else {}))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         watchdog.install(dist.get_rank(), dist.get_world_size(), cfg.dist.timeout_s, cfg.dist.warn_after_s,
                          _default_store())
-    if cuda:  # CUDA-only: one device per local rank
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
+    return device
 
 
 def _default_store():

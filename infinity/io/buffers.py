@@ -25,19 +25,16 @@ def is_aligned(value: int, multiple: int = ALIGN_BYTES) -> bool:
     return value % multiple == 0
 
 
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+def aligned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose first byte is 4096-aligned.
 
-    ``pin=True`` page-locks it when CUDA is available (faster, asynchronous H2D/D2H
-    copies; costs unswappable host memory) and is ignored otherwise. The returned
-    tensor is a slice of a slightly larger allocation (at most 4095 bytes more) and
-    keeps that allocation alive.
+    The returned tensor is a slice of a slightly larger allocation (at most 4095 bytes
+    more) and keeps that allocation alive. Never page-locked: pinned host buffers are
+    the store's (``infinity.store.pinned_host``), which pins exactly what it counts.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"aligned_empty: nbytes must be an int >= 0, got {nbytes!r}")
-    pinned = pin and torch.cuda.is_available()
-    # CUDA-only: pinned (page-locked) memory so device copies can run asynchronously.
-    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8, pin_memory=pinned)
+    raw = torch.empty(nbytes + ALIGN_BYTES, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGN_BYTES
     return raw[start:start + nbytes]
 

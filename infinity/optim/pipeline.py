@@ -15,13 +15,17 @@ Gradients and parameters that stay in device memory (CUDA; e.g. stage 1-2 with
 only the optimizer offloaded) cross to the host the same way, off the compute
 thread: the swap-in thread starts shard ``i+1``'s device->host gradient copy on
 a side stream into a pinned buffer, and the updated parameter goes back
-host->device on that stream while Adam moves on to the next shard; its
+host->device on the other lane's stream while Adam moves on to the next shard; its
 ``on_done`` (the all-gather) runs, in shard order, once its copy has landed, on
 the caller's thread (in ``finish``): collectives never come from a pipeline thread.
 
 Host memory is bounded twice: ``lookahead`` shards are swapped in ahead of the
 one being updated, and the store's host budget caps every buffer (a swap-in
-waits for room that an earlier write-back frees). Trade-off of ``lookahead``:
+waits for room that an earlier write-back frees). The staging buffers of
+device tensors come from a pool of their own (pinned on CUDA through
+``cudaHostRegister``, see :mod:`infinity.store.pinned_host`), bounded by the
+lookahead rather than a budget and cut back at each step's end to the most the
+step had in use at once; ``last_stats["staging_pinned_bytes"]`` says how much. Trade-off of ``lookahead``:
 each step of it holds one more shard's states (16 B/element) in host memory and
 hides one more shard's read latency behind compute.
 
@@ -48,6 +52,8 @@ import torch
 from infinity.optim.cpu_adam import CpuAdamW, adamw_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
+from infinity.store.host_pool import HostBufferPool
+from infinity.store.pinned_host import CudaHostRegistrar, HostRegistrar
 from infinity.trace import NULL_TRACER, Tracer
 
 __all__ = ["ShardJob", "AdamPipeline"]
@@ -55,6 +61,7 @@ __all__ = ["ShardJob", "AdamPipeline"]
 _FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad", "param_out")
 _WRITTEN = ("master", "exp_avg", "exp_avg_sq", "param_out")   # the fields Adam changes
 _END = object()   # the compute thread's last word on the landed-params queue
+_STAGING_CAPACITY_BYTES = 2**62   # the staging pool's bound is the lookahead, not a byte budget
 
 
 @dataclass
@@ -96,6 +103,7 @@ class _Staged:
 
     host: torch.Tensor
     done: cf.Future
+    buffer: torch.Tensor   # the staging pool's buffer under ``host``, given back once the copy is used
 
 
 class AdamPipeline:
@@ -110,15 +118,19 @@ class AdamPipeline:
 
     ``copy_cpu_tensors`` makes in-memory CPU tensors take the device path (copied through the
     :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
+    ``host_registrar`` page-locks the staging buffers of those copies (default: ``cudaHostRegister``
+    when the tensors are on CUDA, none on CPU).
     """
 
     def __init__(self, store: TensorStore | None, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
-                 copy_cpu_tensors: bool = False):
+                 copy_cpu_tensors: bool = False, host_registrar: HostRegistrar | None = None):
         if lookahead < 1:
             raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
         self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
         self.copy_cpu_tensors = copy_cpu_tensors
         self._copier: DeviceCopier | None = None
+        self._staging: HostBufferPool | None = None   # host buffers of device tensors' copies
+        self._host_registrar = host_registrar
         self._copier_lock = threading.Lock()   # made on first use, from either pipeline thread
         self._threads: list = []     # the running step's swap-in and compute threads; empty when idle
         self._progress = threading.Condition()
@@ -139,8 +151,11 @@ class AdamPipeline:
         """Stop a step still running (its remaining jobs are dropped) and the device copier."""
         self.abort()
         if self._copier is not None:
-            self._copier.close()
+            self._copier.close()   # every copy has landed: no DMA into a staging buffer from here on
             self._copier = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     def run(self, jobs: list, hyper: Callable[[int], dict]) -> dict:
         """Update every job; ``hyper(group_index)`` gives ``step, lr, betas, eps, weight_decay``.
@@ -280,8 +295,13 @@ class AdamPipeline:
                     with self._progress:
                         self.updates_started += 1
                     starts.append(t1)
-                    with self.tracer.span(f"adam {job.name}", lane="compute"):
-                        out, copied = self._update(job, tensors, hyper)
+                    try:
+                        with self.tracer.span(f"adam {job.name}", lane="compute"):
+                            out, copied = self._update(job, tensors, hyper)
+                    finally:   # the staged gradients have been read (or never will be)
+                        for f in futures.values():
+                            if isinstance(f, _Staged):
+                                self._staging.release(f.buffer)
                     with self._progress:
                         self.updated.append(job.name)
                     t2 = time.perf_counter()
@@ -295,15 +315,23 @@ class AdamPipeline:
                         self._progress.notify_all()
                     self._slots.release()
                 self._land(landing, keep=0)
+            staging_pinned_bytes = 0
+            if self._staging is not None:   # keep what this step had in use at once; give back the rest
+                self._staging.end_window()
+                staging_pinned_bytes = self._staging.stats()["pinned_bytes"]
             t3 = time.perf_counter()
             for f in writes:
                 self.store.wait(f)   # the step ends with every state home (a crash after it loses nothing)
             self.last_stats = {"adam_s": adam_s, "swap_in_wait_s": wait_s,
                                "swap_out_wait_s": time.perf_counter() - t3, "shards": len(starts),
-                               "update_start_s": starts}
+                               "update_start_s": starts, "staging_pinned_bytes": staging_pinned_bytes}
         except BaseException as e:   # noqa: BLE001 - re-raised by finish() on the caller's thread
             self._error = e
             self._halt()
+            for copied, _, _ in landing:   # parameter copies still in flight keep their buffer until done
+                if copied is not None:
+                    copied.done.exception()
+                    self._staging.release(copied.buffer)
         finally:
             self._landed.put(_END)
 
@@ -352,14 +380,27 @@ class AdamPipeline:
         return on_device and isinstance(job.master, str)
 
     def _stage_to_host(self, value: torch.Tensor, grads_ready) -> _Staged:
-        host = _host_buffer(value)
-        return _Staged(host, self._device_copier(value).copy(host, value, after=grads_ready))
+        host, buffer = self._staging_buffer(value)
+        return _Staged(host, self._device_copier(value).to_host(host, value, after=grads_ready), buffer)
 
     def _device_copier(self, like: torch.Tensor) -> DeviceCopier:
         with self._copier_lock:
             if self._copier is None:
                 self._copier = DeviceCopier(like.device)
+                registrar = self._host_registrar
+                if registrar is None and like.is_cuda:
+                    registrar = CudaHostRegistrar(like.device)   # CUDA-only: pinned, so the copies run async
+                # bounded by the lookahead (each shard in flight stages one gradient and one parameter)
+                self._staging = HostBufferPool(_STAGING_CAPACITY_BYTES, registrar=registrar)
             return self._copier
+
+    def _staging_buffer(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host tensor shaped like the device tensor ``like`` (pinned on CUDA, so copies run async),
+        and the pool buffer under it."""
+        self._device_copier(like)
+        nbytes = like.numel() * like.element_size()
+        buffer = self._staging.acquire(nbytes)
+        return buffer[:nbytes].view(like.dtype).view(like.shape), buffer
 
     def _result(self, f):
         if isinstance(f, _Staged):
@@ -373,11 +414,14 @@ class AdamPipeline:
         than ``keep`` are in flight."""
         while landing:
             copied, on_done, param = landing[0]
-            if copied is not None and not copied.done() and len(landing) <= keep:
+            if copied is not None and not copied.done.done() and len(landing) <= keep:
                 return
             landing.popleft()
             if copied is not None:
-                copied.result()
+                try:
+                    copied.done.result()
+                finally:
+                    self._staging.release(copied.buffer)
             if on_done is not None:
                 self._landed.put((on_done, param))
 
@@ -453,7 +497,10 @@ class AdamPipeline:
         if final is None or (final.device == dev and not to_device):
             out = final
         else:
-            out = _host_buffer(final) if to_device else torch.empty(final.shape, dtype=final.dtype, device=dev)
+            if to_device:
+                out, staging = self._staging_buffer(final)
+            else:
+                out = torch.empty(final.shape, dtype=final.dtype, device=dev)
         for group, lo, hi in job.ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
@@ -469,7 +516,7 @@ class AdamPipeline:
                     o.copy_(master[lo:hi])
         if to_device:
             # off the compute thread; the copy's closure holds `out` alive until it has landed
-            return final, self._device_copier(final).copy(final, out)
+            return final, _Staged(out, self._device_copier(final).to_device(final, out), staging)
         if final is not None and out is not final:
             # device master -> host-stored parameter (optimizer kept on the device): blocking
             final.copy_(out)
@@ -498,11 +545,6 @@ class AdamPipeline:
             if key in job._keys and self.store.home(key) is not Tier.HOST:
                 self.store.discard(key, Tier.HOST)
         return futures
-
-
-def _host_buffer(like: torch.Tensor) -> torch.Tensor:
-    """A host tensor shaped like ``like``; pinned when ``like`` is on CUDA, so copies run async."""
-    return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
 
 
 def _record_event():

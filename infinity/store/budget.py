@@ -4,11 +4,31 @@ Trade-off: a bigger device budget keeps more working copies resident (fewer
 transfers per step) at the cost of memory the model's activations could use; a
 bigger host budget caches more NVMe-homed state at the cost of host RAM that
 other ranks on the machine share.
+
+``auto`` is measured once, at start-up, and shared out so that it still holds
+when every rank of the node has taken its part and the step is at its peak:
+
+- host: ``(available RAM - OS reserve) * HOST_AUTO_FRACTION / local ranks``. The
+  OS reserve (``max(OS_RESERVE_MIN_BYTES, OS_RESERVE_FRACTION * total)``) is left
+  for the kernel, the page cache and other processes; the other half of the rest
+  is the process's own (the model being built, activations and gradients on a
+  CPU device, CPU Adam's scratch, buffers outside the store). Every rank of the
+  node (``LOCAL_WORLD_SIZE``) measures the same available RAM at start-up, so
+  each takes only its share; 8 ranks no longer pin 8 times the machine.
+- device (CUDA): ``free - working set - activations - slack``: the caller's
+  :class:`DeviceHeadroom` names the gathered working set (full parameters and
+  gradients of the units live at once) and the activations (default
+  ``ACTIVATION_FRACTION`` of the device, until measured); the slack
+  (``max(DEVICE_SLACK_MIN_BYTES, DEVICE_SLACK_FRACTION * total)``) is for NCCL's
+  buffers, the caching allocator's fragmentation and the copy streams.
+- device (CPU, where the "device" is ordinary memory): 1/4 of physical RAM per
+  local rank, small enough that the device tier is over-subscribed for real.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -19,7 +39,17 @@ from infinity.store.eviction import Candidate, EvictionPolicy
 from infinity.store.records import KeyRecord
 from infinity.store.residency import Residency, StoreError, Tier
 
-__all__ = ["BudgetError", "TierAccount", "resolve_budgets", "plan_room", "plan_spill"]
+__all__ = ["BudgetError", "TierAccount", "DeviceHeadroom", "resolve_budgets", "auto_host_bytes",
+           "auto_device_bytes", "local_ranks", "plan_room", "plan_spill"]
+
+GiB = 2**30
+OS_RESERVE_MIN_BYTES = 2 * GiB      # host RAM auto never plans for: kernel, page cache, other processes
+OS_RESERVE_FRACTION = 0.10          # ... or this share of physical RAM, if more
+HOST_AUTO_FRACTION = 0.5            # of the rest, for the host tier; the other half is the process's own
+CPU_DEVICE_FRACTION = 0.25          # of physical RAM, for a CPU "device" tier
+ACTIVATION_FRACTION = 0.25          # of device memory, for activations until the caller measures them
+DEVICE_SLACK_MIN_BYTES = 1 * GiB    # NCCL buffers, allocator fragmentation, streams, CUDA context growth
+DEVICE_SLACK_FRACTION = 0.05        # ... or this share of device memory, if more
 
 
 class BudgetError(StoreError):
@@ -33,20 +63,64 @@ class BudgetError(StoreError):
         self.in_use_bytes, self.requested_bytes = in_use_bytes, requested_bytes
 
 
-def resolve_budgets(tiers: TiersConfig, device: torch.device) -> dict[Tier, int]:
-    """Byte budgets for the device and host tiers (NVMe is bounded by the disk, not by us).
+@dataclass(frozen=True)
+class DeviceHeadroom:
+    """Device bytes an ``auto`` device budget leaves outside the tier, besides the slack.
 
-    ``auto``: device = free CUDA memory now on a CUDA device, else 1/4 of physical
-    RAM (so the CPU "device" tier is small enough to be over-subscribed); host =
-    1/2 of the RAM available now.
+    ``working_set_bytes``: what the step holds on the device outside the store at its peak (full
+    parameters and gradients of the units gathered at once, reduce buckets). ``activation_bytes``:
+    the activations of one micro-batch; None = ``ACTIVATION_FRACTION`` of the device's memory.
     """
+
+    working_set_bytes: int = 0
+    activation_bytes: int | None = None
+
+
+def local_ranks() -> int:
+    """Ranks sharing this machine: ``LOCAL_WORLD_SIZE`` (torchrun and our launcher set it), else 1."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1") or "1"
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a number of ranks; unset it or set the count "
+                         "of ranks on this machine") from None
+    if n < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={n}: must be >= 1 (the ranks on this machine)")
+    return n
+
+
+def auto_host_bytes(available_bytes: int, total_bytes: int, ranks: int) -> int:
+    """``tiers.host_bytes: auto`` for one of ``ranks`` ranks on a machine (module doc)."""
+    os_reserve = max(OS_RESERVE_MIN_BYTES, int(OS_RESERVE_FRACTION * total_bytes))
+    return max(0, int((available_bytes - os_reserve) * HOST_AUTO_FRACTION)) // ranks
+
+
+def auto_device_bytes(free_bytes: int, total_bytes: int, headroom: DeviceHeadroom) -> int:
+    """``tiers.device_bytes: auto`` on a CUDA device with ``free_bytes`` of ``total_bytes`` free (module doc)."""
+    activations = (headroom.activation_bytes if headroom.activation_bytes is not None
+                   else int(ACTIVATION_FRACTION * total_bytes))
+    slack = max(DEVICE_SLACK_MIN_BYTES, int(DEVICE_SLACK_FRACTION * total_bytes))
+    return max(0, free_bytes - headroom.working_set_bytes - activations - slack)
+
+
+def resolve_budgets(tiers: TiersConfig, device: torch.device,
+                    headroom: DeviceHeadroom | None = None) -> dict[Tier, int]:
+    """Byte budgets for the device and host tiers (NVMe is bounded by the disk, not by us); ``auto`` as
+    in the module doc, measured now."""
+    headroom = headroom if headroom is not None else DeviceHeadroom()
+    ranks = local_ranks() if "auto" in (tiers.device_bytes, tiers.host_bytes) else 1
     if tiers.device_bytes != "auto":
         device_bytes = tiers.device_bytes
     elif device.type == "cuda" and torch.cuda.is_available():
-        device_bytes = torch.cuda.mem_get_info(device)[0]  # CUDA-only: (free, total) of this device
+        free, total = torch.cuda.mem_get_info(device)   # CUDA-only: this device's (free, total) bytes
+        device_bytes = auto_device_bytes(free, total, headroom)
     else:
-        device_bytes = psutil.virtual_memory().total // 4
-    host_bytes = tiers.host_bytes if tiers.host_bytes != "auto" else psutil.virtual_memory().available // 2
+        device_bytes = int(psutil.virtual_memory().total * CPU_DEVICE_FRACTION) // ranks
+    if tiers.host_bytes != "auto":
+        host_bytes = tiers.host_bytes
+    else:
+        vm = psutil.virtual_memory()
+        host_bytes = auto_host_bytes(vm.available, vm.total, ranks)
     return {Tier.DEVICE: int(device_bytes), Tier.HOST: int(host_bytes)}
 
 

@@ -41,6 +41,7 @@ from infinity.store.budget import TierAccount, plan_room, plan_spill, resolve_bu
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.eviction import EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
+from infinity.store.pinned_host import CudaHostRegistrar, HostRegistrar
 from infinity.store.records import CopyRecord, KeyRecord, Transfer
 from infinity.store.residency import Residency, StoreError, Tier
 from infinity.store.swap_dir import make_swap_dir
@@ -56,24 +57,29 @@ class TensorStore(TransferRunner):
 
     ``swap_dir`` (default ``tiers.nvme_path``) is needed once a key is homed on
     NVMe; the store makes its own private swap file there, removed on ``close``.
-    ``policy`` picks eviction victims (default :class:`LRUPolicy`).
+    ``policy`` picks eviction victims (default :class:`LRUPolicy`). ``budgets``: the device and host
+    byte budgets (default: :func:`~infinity.store.budget.resolve_budgets` of ``tiers``; an engine that
+    resolved them already passes its own, so "auto" is measured once). ``host_registrar`` page-locks
+    host buffers (default: ``cudaHostRegister`` on a CUDA device, none on CPU).
     """
 
     def __init__(self, tiers: TiersConfig | None = None, io: IOConfig | None = None,
                  device: torch.device | str = "cpu", rank: int = 0, swap_dir: str | os.PathLike | None = None,
-                 policy: EvictionPolicy | None = None):
+                 policy: EvictionPolicy | None = None, budgets: dict[Tier, int] | None = None,
+                 host_registrar: HostRegistrar | None = None):
         self.tiers_config = tiers if tiers is not None else TiersConfig()
         self.io_config = io if io is not None else IOConfig()
         self.device = torch.device(device)
         self.rank = rank
         self.swap_dir = swap_dir if swap_dir is not None else self.tiers_config.nvme_path
         self.policy = policy if policy is not None else LRUPolicy()
-        budgets = resolve_budgets(self.tiers_config, self.device)
+        budgets = budgets if budgets is not None else resolve_budgets(self.tiers_config, self.device)
         self._accounts = {Tier.DEVICE: TierAccount(Tier.DEVICE, budgets[Tier.DEVICE]),
                           Tier.HOST: TierAccount(Tier.HOST, budgets[Tier.HOST]),
                           Tier.NVME: TierAccount(Tier.NVME, None)}
-        cuda = self.device.type == "cuda" and torch.cuda.is_available()
-        self.pool = HostBufferPool(budgets[Tier.HOST], pin=cuda)
+        if host_registrar is None and self.device.type == "cuda" and torch.cuda.is_available():
+            host_registrar = CudaHostRegistrar(self.device)   # CUDA-only: pinned, so copies run async
+        self.pool = HostBufferPool(budgets[Tier.HOST], registrar=host_registrar)
         self._copier = DeviceCopier(self.device)
         self._engine: IOEngine | None = None
         self._extents: ExtentFile | None = None

@@ -70,7 +70,7 @@ class TransferRunner:
         try:
             if src is None and op.init is not None and op.copy_async:
                 # the copier holds init until its bytes have landed (on CUDA: in the side stream)
-                fut = self._copier.copy(rec.copies[dst].tensor, op.init.detach())
+                fut = self._copy(dst, rec.copies[dst].tensor, op.init.detach())
                 op.init = None
             elif src is None:   # register / claim: the caller's tensor (or zeros), copied synchronously
                 target = rec.copies[dst].tensor
@@ -83,11 +83,16 @@ class TransferRunner:
             elif src is Tier.NVME:
                 fut = self._extents.read(rec.key, rec.copies[dst].buffer[:rec.nbytes])
             else:
-                fut = self._copier.copy(rec.copies[dst].tensor, rec.copies[src].tensor)
+                fut = self._copy(dst, rec.copies[dst].tensor, rec.copies[src].tensor)
         except BaseException as e:   # noqa: BLE001 - a hop that cannot even start fails its op
             self._hop_done(rec, op, index, e)
             return
         fut.add_done_callback(lambda f: self._hop_done_guarded(rec, op, index, f.exception()))
+
+    def _copy(self, dst_tier: Tier, dst: torch.Tensor, src: torch.Tensor) -> cf.Future:
+        """A memory-to-memory hop on the copier lane of its direction (into the device tier or out of it)."""
+        lane = self._copier.to_device if dst_tier is Tier.DEVICE else self._copier.to_host
+        return lane(dst, src)
 
     def _hop_done_guarded(self, rec: KeyRecord, op: Transfer, index: int, error: BaseException | None) -> None:
         """Futures swallow what their callbacks raise: a bug here must still fail the op, not hang it."""

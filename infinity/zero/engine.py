@@ -63,7 +63,7 @@ from infinity.config import Config
 from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import TensorStore
-from infinity.store.budget import resolve_budgets
+from infinity.store.budget import DeviceHeadroom, resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
@@ -112,7 +112,7 @@ class ZeroEngine:
         self.reduce_dtype = DTYPES[config.precision.reduce_dtype]
         on_meta = meta.is_meta_model(model)
         self.device = device or next((p.device for p in model.parameters() if not on_meta), torch.device("cpu"))
-        self.stats = EngineStats(self.coll.counters)
+        self.stats = EngineStats(self.coll.counters, self.device)   # on CUDA: device-side phase times too
         self.tracer = Tracer(self.world_rank)
         self.shard_world = self.world_size if self.policy.sharded else 1
         self.shard_rank = self.rank if self.policy.sharded else 0
@@ -153,19 +153,25 @@ class ZeroEngine:
 
         sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
         if self.placement.any_offload:   # refused before anything is written
-            budgets = resolve_budgets(config.tiers, self.device)
+            # device auto leaves room for what the step holds outside the store: gathered parameters
+            # (stage 3: the live cap; else all), their gradients and one reduce bucket
+            gathered = self.max_live_bytes if self.stage == 3 else sum(full_bytes.values())
+            grads = gathered * _itemsize(self.reduce_dtype) // _itemsize(self.param_dtype)
+            headroom = DeviceHeadroom(working_set_bytes=gathered + grads + config.zero.bucket_bytes)
+            budgets = resolve_budgets(config.tiers, self.device, headroom)
             self.placement.check_budgets(self.units, *sizes, budgets)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload:
-                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank)
+                self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank,
+                                         budgets=budgets)   # "auto" measured once, checked above
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
             self.update = ShardUpdate(self.units, self.store, self.coll, self.policy, self.shard_rank, self.rank,
                                       self.hyper, self.tracer, config.optimizer)
             self.grads = self._build_grads(config)
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
                                        self.tracer, config.zero.reshard_after_forward, self.rank)
-            self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device.type == "cpu")
+            self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
             self._finalizer = weakref.finalize(self, _release, self.update.pipeline, self.update.adam, self.store)

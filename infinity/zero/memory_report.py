@@ -36,6 +36,11 @@ other_bytes             ``peak_rss_bytes - accounted_bytes``: allocator slack, a
                         transient gradients and temporaries, the optimizer's fp32 scratch,
                         torch's runtime growth; None when the peak is unknown
 device_is_host          whether the compute device's memory is host RAM (CPU)
+device_peak_bytes       CUDA: the most device memory torch's allocator had handed out during the
+                        step (``torch.cuda.max_memory_allocated``, reset each step); None on CPU
+device_reserved_bytes   CUDA: the most it had reserved from the driver (allocated + cached
+                        blocks, ``max_memory_reserved``): what the device budget's slack must
+                        cover beyond the parts above; None on CPU
 ======================  ========================================================================
 
 The parts peak at different moments of the step, so ``accounted_bytes`` is an
@@ -66,7 +71,8 @@ import threading
 import psutil
 import torch
 
-__all__ = ["StepMemory", "SavedTensorMeter", "rss_bytes", "reset_peak_rss", "read_peak_rss", "warm_torch"]
+__all__ = ["StepMemory", "SavedTensorMeter", "rss_bytes", "reset_peak_rss", "read_peak_rss", "warm_torch",
+           "take_device_peak"]
 
 _STATUS = "/proc/self/status"
 
@@ -97,6 +103,17 @@ def warm_torch() -> None:
         ids = torch.randint(0, 64, (2, 8))
         torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten()).backward()
         opt.step()
+
+
+def take_device_peak(device: torch.device) -> tuple[int | None, int | None]:
+    """(peak allocated, peak reserved) device bytes since the last call, then start the next window;
+    (None, None) where the device is not CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, None
+    # CUDA-only: the caching allocator's high-water marks for this device
+    peak = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
 
 
 def _ru_maxrss_bytes() -> int:
@@ -189,12 +206,13 @@ class SavedTensorMeter:
 class StepMemory:
     """The engine's per-step memory report (module doc), built with the parts whose peaks it reads:
     ``store`` (None: nothing offloaded) and ``grads`` (the gradient path's buffer peak);
-    ``baseline_rss_bytes`` is the RSS the engine read before building any shard; ``device_is_host``:
-    the compute device is the CPU, so device-side parts are in the RSS too."""
+    ``baseline_rss_bytes`` is the RSS the engine read before building any shard; ``device``: the
+    compute device (the CPU: device-side parts are in the RSS too; CUDA: its peak is read per step)."""
 
-    def __init__(self, baseline_rss_bytes: int, store, grads, device_is_host: bool):
+    def __init__(self, baseline_rss_bytes: int, store, grads, device: torch.device):
         self.baseline_rss_bytes = baseline_rss_bytes
-        self.store, self.grads, self.device_is_host = store, grads, device_is_host
+        self.store, self.grads, self.device = store, grads, device
+        self.device_is_host = device.type == "cpu"
         self.enabled = False
         self.meter: SavedTensorMeter | None = None
         self._hooks = None               # the pushed saved_tensors_hooks context, while a forward runs
@@ -262,6 +280,7 @@ class StepMemory:
             "activation_bytes": self.meter.take_peak() if self.meter is not None else None,
             "device_is_host": on_host,
         }
+        out["device_peak_bytes"], out["device_reserved_bytes"] = take_device_peak(self.device)
         parts = ("store_device_bytes", "gathered_params_bytes", "grad_buffers_bytes", "resident_bytes",
                  "activation_bytes") if on_host else ()
         out["accounted_bytes"] = self.baseline_rss_bytes + sum(out[k] or 0 for k in ("store_host_bytes",) + parts)
@@ -282,6 +301,7 @@ class StepMemory:
         if self.store is not None:
             self.store.take_peak_bytes()
         self.grads.take_buffer_peak()
+        take_device_peak(self.device)
         if self.meter is not None:
             self.meter.take_peak()
 

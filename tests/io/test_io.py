@@ -84,10 +84,9 @@ def _random_tensor(dtype, numel, gen):
 # ------------------------------------------------------------------ buffers, checksums, allocator
 
 @pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 4097, 3 * 2**20 + 5])
-@pytest.mark.parametrize("pin", [False, True])
-def test_aligned_empty_is_aligned_and_sized(nbytes, pin):
+def test_aligned_empty_is_aligned_and_sized(nbytes):
     for _ in range(3):
-        t = aligned_empty(nbytes, pin=pin)
+        t = aligned_empty(nbytes)
         assert t.dtype == torch.uint8 and t.numel() == nbytes and t.is_contiguous()
         assert t.data_ptr() % ALIGN_BYTES == 0
         t.fill_(7)  # the whole range is usable memory

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fake_registrar import RecordingRegistrar
 from infinity.config import IOConfig, TiersConfig
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.pipeline import AdamPipeline, ShardJob
@@ -144,7 +145,10 @@ def test_error_mid_step_leaves_nothing_pinned(tmp_path):
 def test_device_tensors_cross_through_the_copier(tmp_path):
     """Stored states with the gradient and the bf16 parameter in device memory (stage 1-2, optimizer
     offloaded): with CPU tensors routed as CUDA ones are, gradients are staged to host by the swap-in
-    thread, parameters copied back off the compute thread, on_done sees each final parameter in order."""
+    thread, parameters copied back off the compute thread, on_done sees each final parameter in order.
+    Their host staging buffers are page-locked (recorded) at exactly their sizes, all given back to the
+    staging pool after each step, bounded by the lookahead, reused rather than locked per shard, and
+    unlocked when the pipeline closes."""
     n, steps = 5, 2
     with _store(tmp_path, 4096 * 1024) as store:
         params, jobs = _make(store, n, "nvme", False)
@@ -157,7 +161,10 @@ def test_device_tensors_cross_through_the_copier(tmp_path):
         ref = [p.clone() for p in params]
         ms, vs = [torch.zeros(NUMEL) for _ in range(n)], [torch.zeros(NUMEL) for _ in range(n)]
         ref_adam = CpuAdamW(threads=1)
-        pipe = AdamPipeline(store, CpuAdamW(threads=1, chunk_numel=4096), lookahead=2, copy_cpu_tensors=True)
+        reg = RecordingRegistrar()
+        pipe = AdamPipeline(store, CpuAdamW(threads=1, chunk_numel=4096), lookahead=2, copy_cpu_tensors=True,
+                            host_registrar=reg)
+        locked_after = []
         half = NUMEL // 2
         for step in range(1, steps + 1):
             for i in range(n):
@@ -170,8 +177,17 @@ def test_device_tensors_cross_through_the_copier(tmp_path):
             assert [i for i, _ in done] == list(range(n))
             for i, p in done:
                 assert torch.equal(p, ref[i].to(torch.bfloat16)), f"step {step}: on_done saw a stale shard {i}"
+            staging = pipe._staging.stats()
+            assert staging["in_use_bytes"] == 0, f"step {step}: staging buffers were not given back"
+            assert staging["pinned_bytes"] == reg.locked_bytes == pipe.last_stats["staging_pinned_bytes"] > 0
+            locked_after.append((reg.locked_bytes, sum(c[0] == "register" for c in reg.calls)))
         assert pipe._copier is not None, "the device path was not taken"
+        assert {c[2] for c in reg.calls if c[0] == "register"} <= {NUMEL * 4, NUMEL * 2}   # fp32 grad, bf16 param
+        lookahead, shard_bytes = 2, NUMEL * 4 + NUMEL * 2
+        assert max(b for b, _ in locked_after) <= (lookahead + 1) * shard_bytes < n * shard_bytes, locked_after
+        assert locked_after[-1][1] < steps * n, f"staging buffers were locked per shard, not reused: {locked_after}"
         pipe.close()
+        assert reg.locked_bytes == 0, "closing the pipeline left staging memory page-locked"
         for i in range(n):
             assert torch.equal(params_dev[i], ref[i].to(torch.bfloat16))
             assert torch.equal(store.wait(store.bring(f"u{i}.master", Tier.HOST)), ref[i])

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fake_registrar import RecordingRegistrar
 from infinity.config import IOConfig, TiersConfig
 from infinity.io import ChecksumError, ExtentFile, SwapIOError
 from infinity.store import (BudgetError, Candidate, HostBufferPool, IllegalTransition, LRUPolicy, Residency,
@@ -348,6 +349,7 @@ def test_release_waits_for_operation_in_flight_and_close_removes_swap_file(tmp_p
     s.close()                                            # idempotent
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned host buffers and side-stream copies")
 def test_cuda_round_trip_pinned_and_side_stream(tmp_path):
     s = TensorStore(TiersConfig(device_bytes=64 * KiB, host_bytes=64 * KiB), IOConfig(), device="cuda",
@@ -755,8 +757,7 @@ def test_host_pool_end_window_gives_back_what_the_step_no_longer_holds():
     pool.release(pool.acquire(4096))
     assert pool.end_window() == 4096 and pool.stats()["in_use_bytes"] == 4096
 
-    pinned = HostBufferPool(8 * 4096)
-    pinned.pin = True   # the keep rule only (pinning itself needs CUDA): buffers allocated unpinned
+    pinned = HostBufferPool(8 * 4096, registrar=RecordingRegistrar())   # page-locking recorded, not done
     two = [pinned.acquire(4096), pinned.acquire(2 * 4096)]           # 3 pages in use at once
     for b in two:
         pinned.release(b)

@@ -144,3 +144,33 @@ def test_without_clear_refs_the_peak_comes_from_ru_maxrss(tmp_path, monkeypatch)
     # exact only if the process's all-time peak rose in this step; never a made-up figure
     assert r["peak_rss_bytes"] is None or r["peak_rss_bytes"] >= r["rss_bytes"]
     assert (r["other_bytes"] is None) == (r["peak_rss_bytes"] is None)
+
+
+def test_device_peak_is_the_allocators_high_water_mark_per_step(monkeypatch):
+    """On CUDA the report's device peak is torch's allocator high-water mark over the step, reset after each
+    read so the next step starts its own; on CPU there is none. (CUDA's counters are stubbed here.)"""
+    assert memory_report.take_device_peak(torch.device("cpu")) == (None, None)
+    marks = {"allocated": 5 * 2**30, "reserved": 6 * 2**30}
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: marks["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: marks["reserved"])
+
+    def reset(d):
+        resets.append(d)
+        marks.update(allocated=2**30, reserved=2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    dev = torch.device("cuda", 1)
+    assert memory_report.take_device_peak(dev) == (5 * 2**30, 6 * 2**30) and resets == [dev]
+    assert memory_report.take_device_peak(dev) == (2**30, 2 * 2**30) and resets == [dev, dev]
+
+
+def test_cpu_report_has_no_device_peak(tmp_path):
+    model, opt, engine = _engine(tmp_path, offload=False, stage=1)
+    try:
+        engine.memory.enable(activations=False)
+        _step(model, opt)
+        r = engine.memory_report()
+    finally:
+        engine.close()
+    assert r["device_is_host"] and r["device_peak_bytes"] is None and r["device_reserved_bytes"] is None
