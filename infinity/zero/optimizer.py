@@ -43,6 +43,19 @@ class ZeroAdamW(torch.optim.Optimizer):
                                "flat units); pass every group to infinity.initialize(params=...)")
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict`` for the hyper-parameters, but into the existing
+        group dicts, which the engine reads at each step (torch's would replace them, and the engine
+        would go on reading the old ones). Shard states are loaded with ``infinity.load_checkpoint``."""
+        groups = state_dict.get("param_groups")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            raise ValueError(f"ZeroAdamW.load_state_dict: {len(groups) if isinstance(groups, list) else 'no'} "
+                             f"param groups for the optimizer's {len(self.param_groups)}")
+        for mine, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
+
     @property
     def group_steps(self) -> list:
         """Steps taken by each param group (skipped fp16-overflow steps not counted)."""
