@@ -1,14 +1,20 @@
 """Under a launcher on CUDA, each rank sets its own device (LOCAL_RANK) before NCCL starts, and binds the
-process group to it; on CPU it starts gloo. torch.cuda and torch.distributed are stubbed, so this runs
-without a GPU or other ranks."""
+process group to it; on CPU it starts gloo; either way with ``dist.timeout_s``. torch.cuda and
+torch.distributed are stubbed, so this runs without a GPU or other ranks."""
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from infinity import initialization
+from infinity.config import Config
+
+CFG = Config()
+TIMEOUT = timedelta(seconds=CFG.dist.timeout_s)
 
 
 @pytest.fixture
@@ -25,13 +31,13 @@ def launched(monkeypatch):
 
 def test_cuda_rank_sets_its_device_before_nccl_and_binds_the_group_to_it(launched, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    device = initialization._init_distributed()
+    device = initialization._init_distributed(CFG)
     assert device == torch.device("cuda", 1)
     assert launched == [("set_device", torch.device("cuda", 1)),
-                        ("init", "nccl", {"device_id": torch.device("cuda", 1)})]
+                        ("init", "nccl", {"timeout": TIMEOUT, "device_id": torch.device("cuda", 1)})]
 
 
 def test_cpu_rank_starts_gloo_and_sets_no_device(launched, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert initialization._init_distributed() == torch.device("cpu")
-    assert launched == [("init", "gloo", {})]
+    assert initialization._init_distributed(CFG) == torch.device("cpu")
+    assert launched == [("init", "gloo", {"timeout": TIMEOUT})]
