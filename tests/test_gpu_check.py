@@ -86,3 +86,13 @@ def test_the_loss_stage_compares_an_offloaded_run_streaming_through_the_disk_wit
     assert result["host_budget_bytes"] > 0 and result["device_budget_bytes"] > 0   # auto, resolved
     assert result["store_peak_bytes"]["nvme"] > 0 and result["pinned_within_host_budget"]
     assert json.loads((tmp_path / "loss.json").read_text())["losses"] == result["losses"]
+
+
+def test_the_stage_limits_fit_a_device_session_with_room_to_rerun():
+    """The stages' timeouts add to under 8 minutes, leaving a 15-minute device session room to rerun."""
+    import re
+
+    text = (ROOT / "tools" / "gpu_check.sh").read_text()
+    limits = dict(re.findall(r"(\w+)\) echo (\d+) ;;", text))
+    assert set(limits) == {"smoke", "cuda_tests", "loss", "race", "profile"}
+    assert int(limits["smoke"]) <= 60 and sum(int(v) for v in limits.values()) < 8 * 60

@@ -23,6 +23,15 @@ one node: cross-node bytes are 0. :meth:`Collectives.subgroup` makes the same
 collectives over a sub-group (ZeRO++'s intra-node and cross-node groups),
 booking into the same counters.
 
+Time: ``wait_s`` is the host's time in :meth:`Pending.wait`. Under NCCL a
+wait only makes the caller's stream wait for the collective's, so the host
+returns at once and ``wait_s`` reads ~0 however long the compute stream
+stalls; there each wait is also bracketed by two timing events on the current
+stream, and ``wait_device_s`` sums the device time between them: how long the
+compute stream sat waiting for communication (collectives launched without
+``async_op``, small control ones, are not in it). Reading the events waits once
+per snapshot for the last of them.
+
 The torch 2.13 names are used (``all_gather_single``, ``reduce_scatter_single``);
 older torch falls back to ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
 """
@@ -61,6 +70,16 @@ class CommCounters:
     intra_node_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     cross_node_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     wait_s: float = 0.0
+    # NCCL: (before, after) timing events around each wait (module doc); None off CUDA
+    device_waits: list | None = None
+    # CUDA-only by default; tests give a fake with record() / synchronize() / elapsed_time(end) in ms
+    make_timing_event: object = None
+
+    def timing_event(self):
+        make = self.make_timing_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
+        event = make()
+        event.record()   # on the calling thread's current stream: the one that will wait
+        return event
 
     def add(self, kind: str, numel: int, itemsize: int, ring_fraction: float, peer_bytes: int = 0,
             peers: tuple = (0, 0)) -> None:
@@ -82,6 +101,8 @@ class CommCounters:
             for k in d:
                 d[k] = 0
         self.wait_s = 0.0
+        if self.device_waits is not None:
+            self.device_waits = []
 
     def snapshot(self) -> dict:
         return {
@@ -89,8 +110,17 @@ class CommCounters:
             "volume_elements": dict(self.volume_elements), "bytes": dict(self.bytes),
             "sent_bytes": dict(self.sent_bytes), "received_bytes": dict(self.received_bytes),
             "intra_node_bytes": dict(self.intra_node_bytes), "cross_node_bytes": dict(self.cross_node_bytes),
-            "wait_s": self.wait_s,
+            "wait_s": self.wait_s, "wait_device_s": self._device_wait_s(),
         }
+
+    def _device_wait_s(self) -> float | None:
+        if self.device_waits is None:
+            return None
+        if self.device_waits:
+            self.device_waits[-1][1].synchronize()   # one stream: the last covers the rest
+        for _, after in self.device_waits:
+            after.synchronize()   # waits from another thread's stream (autograd's) may trail
+        return sum(before.elapsed_time(after) for before, after in self.device_waits) / 1e3
 
 
 class Pending:
@@ -103,10 +133,15 @@ class Pending:
 
     def wait(self) -> None:
         if self._work is not None:
+            counters = self._counters
+            timed = counters.device_waits is not None
+            before = counters.timing_event() if timed else None
             t0 = time.perf_counter()
             with watch(self._what):
                 self._work.wait()
-            self._counters.wait_s += time.perf_counter() - t0
+            counters.wait_s += time.perf_counter() - t0
+            if timed:   # the current stream now waits for the collective: the stall lies between the two
+                counters.device_waits.append((before, counters.timing_event()))
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
@@ -132,6 +167,8 @@ class Collectives:
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.counters = counters if counters is not None else CommCounters()
+        if self.backend == "nccl" and self.counters.device_waits is None:
+            self.counters.device_waits = []   # CUDA-only: time waits on the device too (module doc)
         # global ranks of the group's members, in group-rank order
         self.members = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.global_rank = self.members[self.rank]

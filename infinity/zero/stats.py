@@ -72,7 +72,8 @@ class EngineStats:
 
     ``last_step`` keys: ``forward_s``, ``backward_s``, ``step_s`` (host time), on CUDA also
     ``forward_device_s``, ``backward_device_s``, ``step_device_s`` (device time, module doc),
-    ``comm_wait_s``, ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes /
+    ``comm_wait_s`` (host) and under NCCL ``comm_wait_device_s`` (the compute stream's wait, see
+    :mod:`infinity.comm.collectives`), ``collectives`` (calls / elements / bytes / sent_bytes / received_bytes /
     intra_node_bytes / cross_node_bytes per kind; see :mod:`infinity.comm.collectives`),
     ``steps`` (optimizer steps so far, skipped ones included); the engine adds
     ``live_peak_bytes`` (stage 3: high-water mark of gathered parameter bytes, what
@@ -112,6 +113,9 @@ class EngineStats:
             "forward_s": self.forward_s, "backward_s": self.backward_s, "step_s": self.step_s,
             "comm_wait_s": snap.pop("wait_s"), "collectives": snap, "steps": self.steps,
         }
+        wait_device_s = snap.pop("wait_device_s")
+        if wait_device_s is not None:   # NCCL: how long the compute stream waited for communication
+            self.last_step["comm_wait_device_s"] = wait_device_s
         if self.device_timer is not None:
             self.last_step.update(self.device_timer.take())
         self.reset()

@@ -72,3 +72,22 @@ def test_a_cpu_engine_times_on_the_host_only():
     stats.stop("forward")
     stats.end_step()
     assert "forward_device_s" not in stats.last_step and stats.last_step["forward_s"] >= 0
+
+
+def test_the_compute_streams_wait_for_communication_is_in_the_step_stats():
+    from infinity.comm.collectives import Pending
+
+    clock = [0.0, 12.0]
+
+    class Work:
+        def wait(self):
+            pass
+    counters = CommCounters(device_waits=[], make_timing_event=lambda: FakeEvent(clock))
+    stats = EngineStats(counters, torch.device("cpu"))
+    Pending(Work(), counters).wait()
+    stats.end_step()
+    assert stats.last_step["comm_wait_device_s"] == pytest.approx(0.012)
+    assert "wait_device_s" not in stats.last_step["collectives"]
+    plain = EngineStats(CommCounters(), torch.device("cpu"))
+    plain.end_step()
+    assert "comm_wait_device_s" not in plain.last_step
