@@ -205,6 +205,12 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _is_peer_gone(e: BaseException) -> bool:
+    """gloo's words for a peer whose process exited (or was killed) under a collective."""
+    text = str(e).lower()
+    return any(w in text for w in ("connection closed by peer", "connection reset by peer", "broken pipe"))
+
+
 @contextmanager
 def watch(what: str) -> Iterator[None]:
     """Run a blocking collective named ``what``; a timeout in it raises :class:`CollectiveTimeout`."""
@@ -221,6 +227,10 @@ def watch(what: str) -> Iterator[None]:
         told = dog.peer_failure()   # a peer that failed alone closed its sockets: say why it did
         if told is not None:
             raise PeerFailed(f"{told} (this rank, {dog.rank}, was waiting for it in {what})") from e
+        if _is_peer_gone(e):
+            raise PeerFailed(f"a rank exited while this one ({dog.rank}) waited for it in {what} (collective "
+                             f"#{wait.seq}): it was killed or died without a word (the OOM killer?); the launcher "
+                             "or that rank's own log says which") from e
         if not _is_timeout(e):
             raise
         waited = time.monotonic() - wait.since

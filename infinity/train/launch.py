@@ -56,7 +56,7 @@ def train(options: TrainOptions | None = None) -> TrainResult:
 
     Raises :class:`TrainError` for bad input (before anything starts) and
     :class:`RankError` when a rank fails. ``result.interrupted`` is True when a
-    SIGINT stopped the run early.
+    SIGINT or SIGTERM stopped the run early (``result.stop_signal`` says which).
     """
     options = options or TrainOptions()
     if under_torchrun():
