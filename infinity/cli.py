@@ -490,6 +490,9 @@ def _add_sample(sub) -> None:
     p.set_defaults(run=_run_sample)
 
 
+_SAMPLE_BAR_TOKENS = 256   # samples this long (seconds on a CPU) get a progress bar
+
+
 def _run_sample(args) -> int:
     from infinity.checkpoint import CheckpointError
     from infinity.train import TrainError
@@ -498,10 +501,23 @@ def _run_sample(args) -> int:
     if args.tokens < 1 or args.top_k < 1 or not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UsageError(f"--tokens and --top-k must be >= 1 and --temperature a finite number >= 0, got "
                          f"--tokens {args.tokens}, --top-k {args.top_k}, --temperature {args.temperature}")
+    bars = []
+
+    def progress(total: int):   # a bar on stderr for long samples; stdout keeps only the text (or JSON)
+        if args.json or total < _SAMPLE_BAR_TOKENS:
+            return None
+        from tqdm import tqdm
+        bars.append(tqdm(total=total, desc="sample", unit="tok", file=sys.stderr, dynamic_ncols=True))
+        return lambda: bars[0].update(1)
+
     try:
-        out = sample_checkpoint(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+        out = sample_checkpoint(args.checkpoint, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                                say=lambda line: print(f"infinity sample: {line}", file=sys.stderr), progress=progress)
     except (TrainError, CheckpointError, ValueError) as e:
         raise UsageError(str(e)) from None
+    finally:
+        for bar in bars:
+            bar.close()
     if args.json:
         print(json.dumps(out, indent=2))
     else:

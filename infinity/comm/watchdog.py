@@ -21,6 +21,18 @@ this rank waits in:
   thread itself at twice the timeout: it prints that line and exits the
   process (exit code 124), which the launcher reports.
 
+A rank that fails on its own (ENOSPC or EIO on its disk only) would leave
+the others waiting for it the same way. :func:`failures_told_to_peers`
+(around a rank's whole run) publishes its error to the store; when the
+failed rank's process exits (a job's rank does, on its error) its sockets
+close and the others' pending collective fails at once; :func:`watch` then
+finds the published error and raises it there too, as :class:`PeerFailed`
+with the failed rank's own message: every rank stops within seconds, each
+with the same cause. (Destroying the failed rank's process group instead of
+waiting for its exit would not do: gloo keeps a group's sockets open while
+anything still references the group.) A failed rank that lingers is named
+by the watchdog's warning line.
+
 Collectives are counted per process in call order, which is the same on
 every rank (they are collective), so "#n" names the same call everywhere.
 Publishing goes to the store only once a wait is already long: a healthy
@@ -38,14 +50,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-__all__ = ["CollectiveTimeout", "install", "uninstall", "watch", "installed"]
+__all__ = ["CollectiveTimeout", "PeerFailed", "install", "uninstall", "watch", "installed",
+           "failures_told_to_peers"]
 
 _KEY = "infinity/collective_wait/{rank}"
+_FAILED_KEY = "infinity/failed/{rank}"
 _HARD_EXIT_CODE = 124
 
 
 class CollectiveTimeout(RuntimeError):
     """A collective waited past ``dist.timeout_s``; the message names it and the ranks that had not arrived."""
+
+
+class PeerFailed(RuntimeError):
+    """Another rank failed (its message is this one's) while this one waited for it in a collective."""
 
 
 @dataclass
@@ -107,8 +125,9 @@ class _Watchdog:
             if waited >= self.warn_after_s and not wait.warned:
                 wait.warned = True
                 wait.missing = self._not_arrived(wait)
+                told = self.peer_failure()
                 self.log(f"infinity: rank {self.rank} has waited {waited:.0f} s in {wait.what} "
-                         f"(collective #{wait.seq}); not arrived: {wait.missing}")
+                         f"(collective #{wait.seq}); not arrived: {wait.missing}" + (f"; {told}" if told else ""))
             if self.hard_exit and waited >= 2 * self.timeout_s:
                 self.log(f"infinity: rank {self.rank}: {self.describe(wait, waited)}; exiting (the backend did not "
                          "time out)")
@@ -133,6 +152,27 @@ class _Watchdog:
             return "unknown (the process group's store does not answer: rank 0 may be the stuck one)"
         missing = [r for r in range(self.world_size) if r != self.rank and seqs.get(r, 0) < wait.seq]
         return "ranks " + ", ".join(map(str, missing)) if missing else "none (every rank waits: a backend stall)"
+
+    def announce(self, message: str) -> None:
+        """Tell the other ranks why this one fails (best effort: the store may be gone too)."""
+        if self.store is not None and self.world_size > 1:
+            try:
+                self.store.set(_FAILED_KEY.format(rank=self.rank), message)
+            except Exception:   # noqa: BLE001 - the peers then see the collective fail, without the why
+                pass
+
+    def peer_failure(self) -> str | None:
+        """The lowest failed rank's published message, ``"rank r failed: ..."``; None if none was published."""
+        if self.store is None or self.world_size == 1:
+            return None
+        for r in range(self.world_size):
+            key = _FAILED_KEY.format(rank=r)
+            try:
+                if r != self.rank and self.store.check([key]):
+                    return f"rank {r} failed: {self.store.get(key).decode()}"
+            except Exception:   # noqa: BLE001 - no store, no message
+                return None
+        return None
 
     def close(self) -> None:
         self._closed.set()
@@ -165,6 +205,12 @@ def _is_timeout(e: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def _is_peer_gone(e: BaseException) -> bool:
+    """gloo's words for a peer whose process exited (or was killed) under a collective."""
+    text = str(e).lower()
+    return any(w in text for w in ("connection closed by peer", "connection reset by peer", "broken pipe"))
+
+
 @contextmanager
 def watch(what: str) -> Iterator[None]:
     """Run a blocking collective named ``what``; a timeout in it raises :class:`CollectiveTimeout`."""
@@ -176,10 +222,32 @@ def watch(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:   # DistBackendError is a RuntimeError
-        if isinstance(e, CollectiveTimeout) or not _is_timeout(e):
+        if isinstance(e, (CollectiveTimeout, PeerFailed)):
+            raise
+        told = dog.peer_failure()   # a peer that failed alone closed its sockets: say why it did
+        if told is not None:
+            raise PeerFailed(f"{told} (this rank, {dog.rank}, was waiting for it in {what})") from e
+        if _is_peer_gone(e):
+            raise PeerFailed(f"a rank exited while this one ({dog.rank}) waited for it in {what} (collective "
+                             f"#{wait.seq}): it was killed or died without a word (the OOM killer?); the launcher "
+                             "or that rank's own log says which") from e
+        if not _is_timeout(e):
             raise
         waited = time.monotonic() - wait.since
         # (the store is not asked from here: it may be in the stuck rank, and would block this one as long again)
         raise CollectiveTimeout(dog.describe(wait, waited)) from e
     finally:
         dog.leave(wait)
+
+
+@contextmanager
+def failures_told_to_peers() -> Iterator[None]:
+    """Around a rank's run: if it raises, the other ranks learn why (see the module doc)."""
+    try:
+        yield
+    except BaseException as e:
+        dog = _WATCHDOG
+        if dog is not None and not isinstance(e, PeerFailed):   # a PeerFailed is theirs, already told
+            line = (str(e).strip().splitlines() or [""])[0]
+            dog.announce(f"{type(e).__name__}: {line}" if line else type(e).__name__)
+        raise

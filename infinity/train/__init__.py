@@ -27,12 +27,13 @@ Model names (``--model``), one grammar::
 VALUE is an integer, a float, ``true``/``false``, ``none`` or a bare string.
 Tokens are bytes, so ``vocab_size`` defaults to 256 and may not be smaller.
 
-Stopping: the first SIGINT (Ctrl-C) asks every rank to stop after the step it
-is in; all ranks agree on the stop in the same per-step all-reduce that
-averages the loss, so none is left waiting in a collective. Then each rank
-closes its engine, and the launcher removes the per-run swap directory. A
-second SIGINT stops at once (spawned ranks are killed; the swap directory is
-still removed).
+Stopping: the first SIGINT (Ctrl-C) or SIGTERM asks every rank to stop after
+the step it is in; all ranks agree on the stop in the same per-step
+all-reduce that averages the loss, so none is left waiting in a collective.
+Then each rank saves (with a save directory) and closes its engine, and the
+launcher removes the per-run swap directory; exit 130 or 143. A second signal
+stops at once (spawned ranks are killed; the swap directory is still
+removed). Spawned ranks die with their launcher; see :mod:`infinity.train.launch`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ so a launcher killed with SIGKILL leaves no rank training unsupervised.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import queue
@@ -34,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from infinity.comm.watchdog import PeerFailed
 from infinity.store.run_lock import RunLock, remove_stale_runs
 from infinity.train.errors import RankError, StoppedAtOnce, TrainError
 from infinity.train.loop import run_rank
@@ -54,7 +56,7 @@ def train(options: TrainOptions | None = None) -> TrainResult:
 
     Raises :class:`TrainError` for bad input (before anything starts) and
     :class:`RankError` when a rank fails. ``result.interrupted`` is True when a
-    SIGINT stopped the run early.
+    SIGINT or SIGTERM stopped the run early (``result.stop_signal`` says which).
     """
     options = options or TrainOptions()
     if under_torchrun():
@@ -155,6 +157,7 @@ def _free_port() -> int:
 def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, stop, reports,
                 launcher_pid: int) -> None:
     die_with_parent(launcher_pid)   # a killed launcher must not leave this rank training unsupervised
+    _name_process(f"infinity-rank{rank}")
     # The terminal's Ctrl-C reaches the whole process group; the parent turns it into `stop`,
     # which every rank honours at the same step. A rank interrupted alone would hang the others.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -173,7 +176,7 @@ def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, s
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent, or it waits for nothing
         import traceback
         line = (str(e).strip().splitlines() or [""])[0]
-        if not isinstance(e, RankError):   # a RankError already says what went wrong, in words
+        if not isinstance(e, (RankError, PeerFailed)):   # these already say what went wrong, and where
             line = f"rank {rank} failed: {type(e).__name__}" + (f": {line}" if line else "")
         reports.put(("error", rank, line, traceback.format_exc()))
         # flush the report before the process group goes down below: the other ranks fail once our
@@ -183,6 +186,15 @@ def _rank_entry(rank_fn, run: TrainRun, rank: int, world_size: int, port: int, s
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _name_process(name: str) -> None:
+    """What ``ps``/``top`` show for this process (Linux: PR_SET_NAME, 15 bytes): which rank is which."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
 
 
 class _EitherStop:

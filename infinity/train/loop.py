@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from infinity.checkpoint.tensor_file import CheckpointError
-from infinity.comm.watchdog import watch
+from infinity.comm.watchdog import failures_told_to_peers, watch
 from infinity.config import Config
 from infinity.io.new_files import replaced
 from infinity.train.errors import RankError
@@ -53,7 +53,8 @@ def run_rank(run: TrainRun, rank: int, world_size: int, stop) -> TrainResult:
     """
     owns_group = world_size > 1 and not dist.is_initialized()
     try:
-        return _train(run, rank, world_size, stop)
+        with failures_told_to_peers():   # a failure of this rank alone stops the others at once, in its words
+            return _train(run, rank, world_size, stop)
     finally:
         if owns_group and dist.is_initialized():
             # a gloo group still alive at interpreter exit can abort the process

@@ -49,11 +49,12 @@ def decode(ids: list, tokenizer) -> str:
 @torch.no_grad()
 def generate(model, prompt: list, tokens: int, max_len: int, *, temperature: float = 0.8, top_k: int | None = 40,
              generator: torch.Generator | None = None, vocab_limit: int | None = None, device="cpu",
-             sync=None) -> list:
+             sync=None, progress=None) -> list:
     """``tokens`` new ids after ``prompt`` (a non-empty list of ids); returns only the new ones.
 
     ``vocab_limit`` restricts the draw to ids below it (256 for byte tokens).
     ``sync(tensor)`` (several ranks) makes every rank continue with the same id.
+    ``progress()`` is called once per new token.
     """
     if not prompt:
         raise ValueError("generate: the prompt is empty; give at least one token")
@@ -78,7 +79,9 @@ def generate(model, prompt: list, tokens: int, max_len: int, *, temperature: flo
             if sync is not None:
                 nxt = sync(nxt)
             out.append(int(nxt))
-            x = torch.cat([x, nxt], dim=1)
+            x = torch.cat([x[:, -max_len:], nxt], dim=1)   # only the window is ever read: memory stays bounded
+            if progress is not None:
+                progress()
         return out
     finally:
         model.train(was_training)
@@ -100,8 +103,11 @@ def sample_text(model, tokenizer, train_set, run, world_size: int, device, step:
 
 
 def sample_checkpoint(checkpoint, prompt: str, tokens: int = 64, temperature: float = 0.8, top_k: int | None = 40,
-                      seed: int = 0) -> dict:
-    """Load ``checkpoint`` (saved by ``infinity train``) and continue ``prompt``; returns the text and what ran."""
+                      seed: int = 0, say=None, progress=None) -> dict:
+    """Load ``checkpoint`` (saved by ``infinity train``) and continue ``prompt``; returns the text and what ran.
+
+    ``say(line)`` is told when the text will run past the model's positions (each token then sees only the
+    last ones); ``progress(total)`` returns a per-token callback (a progress bar), or None."""
     from infinity.checkpoint import consolidate
     from infinity.train.job_state import read_job, resume_path
     from infinity.train.models import build_model, max_positions, parse_model_spec
@@ -121,9 +127,12 @@ def sample_checkpoint(checkpoint, prompt: str, tokens: int = 64, temperature: fl
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     max_len = max_positions(model) or int(job["seq_len"])
+    if say is not None and len(ids) + tokens > max_len:
+        say(f"{len(ids)} prompt + {tokens} new tokens run past the model's {max_len} positions: each new token "
+            f"sees only the last {max_len}")
     gen = torch.Generator().manual_seed(seed)
     new = generate(model, ids, tokens, max_len, temperature=temperature, top_k=top_k, generator=gen,
-                   vocab_limit=_vocab_limit(tokenizer))
+                   vocab_limit=_vocab_limit(tokenizer), progress=progress(tokens) if progress else None)
     return {"checkpoint": str(step_dir), "model": spec.text, "step": int(job["next_step"]), "prompt": prompt,
             "text": decode(ids + new, tokenizer), "tokens": len(new)}
 

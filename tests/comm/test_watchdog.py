@@ -99,3 +99,22 @@ def test_a_wait_the_backend_never_ends_ends_the_process(tmp_path):
     assert "infinity: rank 0: all_reduce over ranks [0, 1] (collective #1) waited 1 s" in out.stderr or \
         "infinity: rank 0: all_reduce over ranks [0, 1] (collective #1) waited 0 s" in out.stderr, out.stderr
     assert "exiting (the backend did not time out)" in out.stderr
+
+
+def test_a_peer_that_vanished_is_named_as_such(lines):
+    watchdog.install(0, 2, timeout_s=60, warn_after_s=30, store=DictStore(), log=lines.append)
+    with pytest.raises(watchdog.PeerFailed, match=r"^a rank exited while this one \(0\) waited for it in all_gather "
+                                                  r"over ranks \[0, 1\] \(collective #1\): it was killed or died"):
+        with watch("all_gather over ranks [0, 1]"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:58798: Connection reset "
+                               "by peer. This is typically caused by a remote worker hanging")
+
+
+def test_a_peer_that_published_its_error_is_quoted(lines):
+    store = DictStore()
+    watchdog.install(0, 2, timeout_s=60, warn_after_s=30, store=store, log=lines.append)
+    store.set("infinity/failed/1", "OSError: [Errno 28] No space left on device")
+    with pytest.raises(watchdog.PeerFailed, match=r"^rank 1 failed: OSError: \[Errno 28\] No space left on device "
+                                                  r"\(this rank, 0, was waiting for it in all_reduce\)"):
+        with watch("all_reduce"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")

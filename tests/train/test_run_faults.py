@@ -198,3 +198,14 @@ def test_consolidate_into_an_impossible_directory_is_one_line(tmp_path, capsys):
     line = _one_line(err)
     assert rc == 2 and line.startswith("infinity consolidate: consolidate: cannot create the output directory "
                                        "/proc/self/x"), line
+
+
+def test_sample_past_the_model_positions_says_so_and_shows_progress(tmp_path, capsys):
+    assert main(["train", *TINY, "--steps", "1", "--save-dir", "ck"]) == 0
+    capsys.readouterr()
+    assert main(["sample", "ck", "--prompt", "def ", "--tokens", "300", "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "infinity sample: 4 prompt + 300 new tokens run past the model's 64 positions: each new token sees " \
+           "only the last 64" in err
+    assert "sample: 100%" in err and "300/300" in err     # the progress bar, on stderr
+    assert out.startswith("def ") and "sample:" not in out
