@@ -34,7 +34,10 @@ anything still references the group.) A failed rank that lingers is named
 by the watchdog's warning line.
 
 Collectives are counted per process in call order, which is the same on
-every rank (they are collective), so "#n" names the same call everywhere.
+every rank for the collectives every rank joins, so "#n" names the same call
+everywhere (where sub-groups' members issue different numbers of calls the
+counts can drift apart, and "not arrived" is then approximate; the
+collective named is always this rank's own).
 Publishing goes to the store only once a wait is already long: a healthy
 step never touches it. When the store itself does not answer (it lives in
 rank 0, which may be the stuck one) the line says the ranks are unknown.

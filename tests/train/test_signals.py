@@ -30,7 +30,8 @@ def _start(tmp_path: Path, nproc: int, *extra) -> tuple:
     where = [] if "--no-save" in extra else ["--save-dir", str(save)]
     cmd = [sys.executable, "-m", "infinity.cli", "train", *TINY, "--steps", "100000", "--nproc", str(nproc),
            "--metrics", str(metrics), "--swap-dir", str(swap), *where, *extra]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)   # its own process group, to signal launcher and ranks at once
     deadline = time.monotonic() + 180
     while not (metrics.exists() and metrics.read_text().count("\n") >= 1):   # a step is done: ranks train
         if proc.poll() is not None:
@@ -80,13 +81,16 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("nproc", (1, 2))
-def test_sigterm_saves_removes_swap_and_exits_143(nproc, tmp_path):
-    """SIGTERM to the launcher: the step ends, a checkpoint of every step done is saved and resumes, no swap
-    file is left, exit code 143."""
+@pytest.mark.parametrize("nproc, to", [(1, "launcher"), (2, "launcher"), (2, "process group")])
+def test_sigterm_saves_removes_swap_and_exits_143(nproc, to, tmp_path):
+    """SIGTERM to the launcher (or to it and its ranks at once, as a container stop may): the step ends, a
+    checkpoint of every step done is saved and resumes, no swap file is left, exit code 143."""
     proc, metrics, swap, save = _start(tmp_path, nproc)
     try:
-        proc.send_signal(signal.SIGTERM)
+        if to == "launcher":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
