@@ -192,31 +192,33 @@ class Collectives:
     def _add(self, kind: str, t: torch.Tensor, ring_times: int, peer_bytes: int) -> None:
         self.counters.add(kind, t.numel(), t.element_size(), self._ring(ring_times), peer_bytes, self._peers)
 
-    def _what(self, kind: str, t: torch.Tensor | None = None) -> str:
-        """How the watchdog names a call: kind, size, group (ranks)."""
+    def _what(self, kind: str, t: torch.Tensor | None = None, label: str | None = None) -> str:
+        """How the watchdog names a call: kind, what it is for (e.g. the unit), size, group (ranks)."""
         size = f" of {t.numel() * t.element_size():,} bytes" if t is not None else ""
-        return f"{kind}{size} over ranks {self.members}"
+        return f"{kind}{f' ({label})' if label else ''}{size} over ranks {self.members}"
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, then=None) -> Pending:
-        """``full`` (N * shard numel) <- every rank's ``shard``, in rank order."""
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False, then=None,
+                   label: str | None = None) -> Pending:
+        """``full`` (N * shard numel) <- every rank's ``shard``, in rank order. ``label``: what the
+        watchdog says the call is for (e.g. ``unit 'h.3'``)."""
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(f"all_gather: full buffer has {full.numel()} elements, expected "
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
         self._add("all_gather", full, 1, shard.numel() * shard.element_size())
-        what = self._what("all_gather", full)
+        what = self._what("all_gather", full, label)
         with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
             work = _all_gather(full, shard, group=self.group, async_op=async_op)
         return _finish(work if async_op else None, self.counters, then, async_op, what)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, average: bool = True,
-                       async_op: bool = False, then=None) -> Pending:
+                       async_op: bool = False, then=None, label: str | None = None) -> Pending:
         """``shard`` <- this rank's slice of the sum (or mean) of every rank's ``full``."""
         if full.numel() != shard.numel() * self.world_size:
             raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                              f"{self.world_size} x {shard.numel()} (rank {self.rank})")
         self._add("reduce_scatter", full, 1, shard.numel() * full.element_size())
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
-        what = self._what("reduce_scatter", full)
+        what = self._what("reduce_scatter", full, label)
         with watch(what):   # async: returns at once; the wait in Pending.wait is the watched one
             work = _reduce_scatter(shard, full, op=op, group=self.group, async_op=async_op)
         return _finish(work if async_op else None, self.counters, then, async_op, what)
@@ -305,13 +307,13 @@ class LocalCollectives:
             out.copy_(inp)
         return _finish(None, self.counters, then, async_op)
 
-    def all_gather(self, full, shard, async_op=False, then=None) -> Pending:
+    def all_gather(self, full, shard, async_op=False, then=None, label=None) -> Pending:
         self.counters.add("all_gather", full.numel(), full.element_size(), 0.0)
         if full.data_ptr() != shard.data_ptr():
             full.copy_(shard)
         return _finish(None, self.counters, then, async_op)
 
-    def reduce_scatter(self, shard, full, average=True, async_op=False, then=None) -> Pending:
+    def reduce_scatter(self, shard, full, average=True, async_op=False, then=None, label=None) -> Pending:
         self.counters.add("reduce_scatter", full.numel(), full.element_size(), 0.0)
         if full.data_ptr() != shard.data_ptr():
             shard.copy_(full)

@@ -37,12 +37,13 @@ class UnitCollectives:
         # the collective writes the buffer behind autograd's back; without this the version bump
         # would make saved parameters look modified in-place to backward
         with torch.autograd._unsafe_preserve_version_counter(full):
-            return self.coll.all_gather(full, src, async_op=True)
+            return self.coll.all_gather(full, src, async_op=True, label=f"unit {unit.name!r}")
 
     def reduce_scatter(self, unit, out: torch.Tensor, full: torch.Tensor, then):
         """Launch ``out`` <- this rank's shard of the mean over ranks of ``full``; ``then`` runs when it is
         waited on. A Pending."""
-        return self.coll.reduce_scatter(out, full, average=True, async_op=True, then=then)
+        return self.coll.reduce_scatter(out, full, average=True, async_op=True, then=then,
+                                        label=f"gradient of unit {unit.name!r}")
 
     @property
     def reduces_in_place(self) -> bool:

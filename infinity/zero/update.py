@@ -131,7 +131,8 @@ class ShardUpdate:
         """Stages 1-2: all-gather ``unit``'s updated parameter shard into every rank's full buffer."""
         shard = param.clone()   # the shard is a view of the full buffer: input and output must not alias
         # `then` holds the copy alive until the gather is waited on
-        pending = self.coll.all_gather(unit.full_param, shard, async_op=True, then=lambda shard=shard: None)
+        pending = self.coll.all_gather(unit.full_param, shard, async_op=True, then=lambda shard=shard: None,
+                                       label=f"updated unit {unit.name!r}")
         if wait:
             pending.wait()
             return
