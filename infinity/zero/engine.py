@@ -99,7 +99,6 @@ class ZeroEngine:
         baseline_rss_bytes = rss_bytes()   # first: the memory report's baseline is the RSS before any shard
         self.config = config
         self.policy = StagePolicy.of(config.zero.stage)
-        self.stage = self.policy.stage
         self.placement = Placement.from_config(config)
         self.coll = collectives if collectives is not None else make_collectives()
         self.rank, self.world_size = self.coll.rank, self.coll.world_size   # on the data-parallel axis
@@ -129,8 +128,8 @@ class ZeroEngine:
         check_structure(self.units, self.coll)
         full_bytes = {u.index: u.padded_numel * _itemsize(self.param_dtype) for u in self.units}
         by_name = {u.name: full_bytes[u.index] for u in self.units}
-        root_name = next((u.name for u in self.units if u.is_root), None)
         self._root = next((u for u in self.units if u.is_root), None)
+        root_name = self._root.name if self._root is not None else None
         self.max_live_bytes = resolve_cap(config.prefetch.max_live_bytes, by_name, root_name)
         if self.policy.shard_params:   # before materializing: a bad cap fails before any shard is written
             check_cap(self.max_live_bytes, by_name, root_name)
@@ -155,7 +154,7 @@ class ZeroEngine:
         if self.placement.any_offload:   # refused before anything is written
             # device auto leaves room for what the step holds outside the store: gathered parameters
             # (stage 3: the live cap; else all), their gradients and one reduce bucket
-            gathered = self.max_live_bytes if self.stage == 3 else sum(full_bytes.values())
+            gathered = self.max_live_bytes if self.policy.shard_params else sum(full_bytes.values())
             grads = gathered * _itemsize(self.reduce_dtype) // _itemsize(self.param_dtype)
             headroom = DeviceHeadroom(working_set_bytes=gathered + grads + config.zero.bucket_bytes)
             budgets = resolve_budgets(config.tiers, self.device, headroom)
@@ -486,6 +485,11 @@ class ZeroEngine:
             yield
         finally:
             self.gathers.release_all()
+
+    @property
+    def stage(self) -> int:
+        """``zero.stage`` (for reports and checkpoint manifests; behaviour asks :attr:`policy`)."""
+        return self.policy.stage
 
     @property
     def padded_numel(self) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 
-
 from infinity.store import BudgetError
 from infinity.zero.live_units import UnitUse
 from infinity.zero.units import UnitState

@@ -187,6 +187,8 @@ class GradReducer:
     def take_folded(self) -> list:
         """Units (stages 2-3) whose reduced gradient reached their shard since the last call, in order:
         their gradient is final for this backward."""
+        if not self._folded:
+            return []   # the common case: called after every parameter's hook, nothing new
         out, self._folded = self._folded, []
         return out
 
