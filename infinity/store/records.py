@@ -30,26 +30,34 @@ class CopyRecord:
     tensor: torch.Tensor | None = None   # what get() hands out (device/host); None on NVMe or when absent
     buffer: torch.Tensor | None = None   # host only: the pool buffer under ``tensor``, returned on drop
     reserved_bytes: int = 0              # what this copy holds against its tier's budget
-    pinned_by: collections.Counter = field(default_factory=collections.Counter)  # thread id -> pins
+    # owner token -> pins: the token the pinning caller named (a unit's gather, a fold), else its thread id
+    pinned_by: collections.Counter = field(default_factory=collections.Counter)
     last_use_tick: int = 0
 
     @property
     def pins(self) -> int:
         return sum(self.pinned_by.values())
 
-    def pin(self, thread_id: int, count: int = 1) -> None:
-        self.pinned_by[thread_id] += count
+    def pin(self, owner, count: int = 1) -> None:
+        self.pinned_by[owner] += count
 
-    def unpin(self) -> None:
-        """Drop one pin: the calling thread's if it holds one, else the oldest holder's."""
-        me = threading.get_ident()
-        holder = me if self.pinned_by[me] else next(t for t, n in self.pinned_by.items() if n)
-        self.pinned_by[holder] -= 1
-        if not self.pinned_by[holder]:
-            del self.pinned_by[holder]
+    def unpin(self, owner=None) -> bool:
+        """Drop one pin of ``owner``; None: the calling thread's if it holds one, else the oldest holder's.
+        False (nothing dropped) when ``owner`` holds none."""
+        if owner is None:
+            me = threading.get_ident()
+            owner = me if self.pinned_by[me] else next(t for t, n in self.pinned_by.items() if n)
+        elif not self.pinned_by[owner]:   # (a Counter's lookup of a missing owner adds no entry)
+            return False
+        self.pinned_by[owner] -= 1
+        if not self.pinned_by[owner]:
+            del self.pinned_by[owner]
+        return True
 
-    def pinned_by_me(self) -> bool:
-        return self.pinned_by[threading.get_ident()] > 0
+    def pinned_by_owner(self, owner) -> bool:
+        """Whether ``owner`` (None: the calling thread) holds a pin."""
+        owner = threading.get_ident() if owner is None else owner
+        return self.pinned_by.get(owner, 0) > 0
 
 
 @dataclass
@@ -67,8 +75,8 @@ class Transfer:
     version: int
     future: cf.Future = field(default_factory=cf.Future)
     new_copies: list[Tier] = field(default_factory=list)  # copies allocated (were ABSENT) for this op
-    pins_on_done: list[int] = field(default_factory=list)  # bring(pin=True) callers' thread ids:
-                                                             # pin the target for them when it lands
+    pins_on_done: list = field(default_factory=list)  # bring(pin=True) callers' owner tokens:
+                                                        # pin the target for them when it lands
     init: torch.Tensor | None = None  # register: the caller's tensor (None = zeros)
     copy_async: bool = False          # register: copy ``init`` on the copier thread, not the caller's
 

@@ -52,6 +52,11 @@ __all__ = ["TensorStore"]
 _R = Residency
 
 
+def _owner(owner):
+    """A pin's owner token: the caller's, or its thread when it named none."""
+    return threading.get_ident() if owner is None else owner
+
+
 class TensorStore(TransferRunner):
     """Tensors in device / host / NVMe tiers of one rank, within per-tier byte budgets.
 
@@ -60,13 +65,21 @@ class TensorStore(TransferRunner):
     ``policy`` picks eviction victims (default :class:`LRUPolicy`). ``budgets``: the device and host
     byte budgets (default: :func:`~infinity.store.budget.resolve_budgets` of ``tiers``; an engine that
     resolved them already passes its own, so "auto" is measured once). ``host_registrar`` page-locks
-    host buffers (default: ``cudaHostRegister`` on a CUDA device, none on CPU).
+    host buffers (default: ``cudaHostRegister`` on a CUDA device, none on CPU). ``copier``: what moves
+    bytes between host and device (default: a :class:`DeviceCopier` of ``device``; tests pass one that
+    delays its copies).
+
+    Pins have owners: ``pin=True`` / :meth:`pin` / :meth:`use` take an ``owner`` token (any hashable:
+    a unit's gather, a gradient fold), and :meth:`unpin` with that token drops that owner's pin from
+    any thread. Without a token the owner is the calling thread, which is wrong wherever the pinning
+    and the unpinning code can run on different threads (on CUDA autograd runs backward hooks on its
+    own device thread), so the engine's callers always name one.
     """
 
     def __init__(self, tiers: TiersConfig | None = None, io: IOConfig | None = None,
                  device: torch.device | str = "cpu", rank: int = 0, swap_dir: str | os.PathLike | None = None,
                  policy: EvictionPolicy | None = None, budgets: dict[Tier, int] | None = None,
-                 host_registrar: HostRegistrar | None = None):
+                 host_registrar: HostRegistrar | None = None, copier: DeviceCopier | None = None):
         self.tiers_config = tiers if tiers is not None else TiersConfig()
         self.io_config = io if io is not None else IOConfig()
         self.device = torch.device(device)
@@ -80,7 +93,7 @@ class TensorStore(TransferRunner):
         if host_registrar is None and self.device.type == "cuda" and torch.cuda.is_available():
             host_registrar = CudaHostRegistrar(self.device)   # CUDA-only: pinned, so copies run async
         self.pool = HostBufferPool(budgets[Tier.HOST], registrar=host_registrar)
-        self._copier = DeviceCopier(self.device)
+        self._copier = copier if copier is not None else DeviceCopier(self.device)
         self._engine: IOEngine | None = None
         self._extents: ExtentFile | None = None
         self._keys: dict[str, KeyRecord] = {}
@@ -93,6 +106,8 @@ class TensorStore(TransferRunner):
         self._spills: collections.Counter = collections.Counter()   # dirty copies written home for room (spill)
         self.recent_evictions: collections.deque = collections.deque(maxlen=4096)  # (key, tier) in order
         self._wait_s = 0.0
+        self._scratch_bytes = 0        # host scratch buffers handed out (host_scratch), in the host account
+        self._scratch_peak_bytes = 0
 
     # ------------------------------------------------------------------ public operations
 
@@ -132,25 +147,27 @@ class TensorStore(TransferRunner):
         new = KeyRecord(key, shape, dtype, nbytes, home)
         return self._issue(key, "register", plan, new_record=new)
 
-    def bring(self, key: str, tier: Tier | str, pin: bool = False) -> cf.Future:
+    def bring(self, key: str, tier: Tier | str, pin: bool = False, owner=None) -> cf.Future:
         """Make the ``tier`` copy of ``key`` current. Future of its tensor (None for NVMe).
 
         ``tier`` may be the home tier or a faster one. With ``pin`` the copy is pinned
-        (see :meth:`pin`) atomically when it is ready, so nothing can evict it in between;
-        without, another thread's bring may evict it under budget pressure once it is ready.
+        (see :meth:`pin`; for ``owner``) atomically when it is ready, so nothing can evict it in
+        between; without, another thread's bring may evict it under budget pressure once it is ready.
         A second bring of the same key and tier while one is in flight shares its future.
         """
         tier = Tier.parse(tier)
+        owner = _owner(owner)
 
         def plan(rec):
             if rec.op is not None and rec.op.kind == "bring" and rec.op.target is tier:
                 if pin:
-                    rec.op.pins_on_done.append(threading.get_ident())
+                    rec.op.pins_on_done.append(owner)
                 return rec.op.future
-            return self._plan_current(rec, tier, "bring", pin)
+            return self._plan_current(rec, tier, "bring", pin, owner)
         return self._issue(key, "bring", plan)
 
-    def claim(self, key: str, tier: Tier | str, pin: bool = False) -> cf.Future:
+    def claim(self, key: str, tier: Tier | str, pin: bool = False, src: torch.Tensor | None = None,
+              owner=None) -> cf.Future:
         """A working copy of ``key`` in ``tier`` for a caller that will overwrite all of it.
 
         Unlike :meth:`bring`, the old contents are not read: an optimizer producing a new
@@ -158,25 +175,38 @@ class TensorStore(TransferRunner):
         NVMe only to overwrite them doubles that tensor's traffic. The copy lands zeroed
         and becomes the key's newest version (every other copy, home included, is stale
         from then on); the caller writes it, then ``mark_dirty`` and ``write_back`` as after
-        any change. Future of its tensor; ``pin`` as in :meth:`bring`.
+        any change. Future of its tensor; ``pin`` and ``owner`` as in :meth:`bring`.
+
+        With ``src`` (a tensor of the key's shape and dtype, on any device) the copy is filled from
+        it instead of zeroed, by the copier lane of its direction (on CUDA a side stream, after the
+        kernels the caller has queued so far), off the caller's thread: a gradient leaves the device
+        without draining its stream. The key is busy until the bytes have landed (any other operation
+        on it waits for them), and the caller must leave ``src`` unchanged until the future is done.
         """
         tier = Tier.parse(tier)
+        owner = _owner(owner)
+        if src is not None:
+            src = src.detach()
 
         def plan(rec):
             if tier is Tier.NVME or tier.rank > rec.home.rank:
                 raise self._refuse(rec, tier, "claim", "claim a device or host tier no slower than home")
+            if src is not None and (tuple(src.shape) != rec.shape or src.dtype != rec.dtype):
+                raise self._refuse(rec, tier, "claim", f"src is {tuple(src.shape)} {src.dtype}, the key "
+                                                       f"{rec.shape} {rec.dtype}")
             if rec.op is not None:
                 return None   # another operation moves this key: wait for it, then plan again
             copy = rec.copies[tier]
-            if copy.state is _R.RESIDENT and copy.version == rec.latest:
+            if src is None and copy.state is _R.RESIDENT and copy.version == rec.latest:
                 if pin:
-                    copy.pin(threading.get_ident())
+                    copy.pin(owner)
                 self._touch(copy)
                 return _done(copy.tensor)   # already current: nothing to discard or read
-            if self._targets_pinned(rec, [(None, tier)], "claim"):
+            if self._targets_pinned(rec, [(None, tier)], "claim", owner):
                 return None
-            op = Transfer("claim", tier, [(None, tier)], version=rec.latest + 1)
-            op.pins_on_done = [threading.get_ident()] if pin else []
+            op = Transfer("claim", tier, [(None, tier)], version=rec.latest + 1, init=src,
+                          copy_async=src is not None)
+            op.pins_on_done = [owner] if pin else []
             return op
         return self._issue(key, "claim", plan)
 
@@ -294,34 +324,39 @@ class TensorStore(TransferRunner):
             self._touch(rec.copies[tier])
             return rec.copies[tier].tensor
 
-    def pin(self, key: str, tier: Tier | str) -> torch.Tensor:
-        """Keep the ``tier`` copy from being evicted or released until :meth:`unpin`; returns it."""
+    def pin(self, key: str, tier: Tier | str, owner=None) -> torch.Tensor:
+        """Keep the ``tier`` copy from being evicted or released until :meth:`unpin`; returns it.
+        ``owner``: the pin's token (see the class doc); None: the calling thread."""
         tier = Tier.parse(tier)
         with self._cond:
             rec = self._lookup(key, "pin")
             self._check_usable(rec, tier, "pin")
-            rec.copies[tier].pin(threading.get_ident())
+            rec.copies[tier].pin(_owner(owner))
             self._touch(rec.copies[tier])
             return rec.copies[tier].tensor
 
-    def unpin(self, key: str, tier: Tier | str) -> None:
+    def unpin(self, key: str, tier: Tier | str, owner=None) -> None:
+        """Drop one pin of ``owner``, from any thread; None: the calling thread's if it holds one, else
+        the oldest holder's."""
         tier = Tier.parse(tier)
         with self._cond:
             rec = self._lookup(key, "unpin")
             if not rec.copies[tier].pins:
                 raise self._refuse(rec, tier, "unpin", "it is not pinned")
-            rec.copies[tier].unpin()
+            if not rec.copies[tier].unpin(owner):
+                raise self._refuse(rec, tier, "unpin", f"owner {owner!r} holds no pin on it")
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def use(self, key: str, tier: Tier | str, dirty: bool = False) -> Iterator[torch.Tensor]:
+    def use(self, key: str, tier: Tier | str, dirty: bool = False, owner=None) -> Iterator[torch.Tensor]:
         """``with store.use(key, tier, dirty=True) as t:`` bring, pin, yield; on exit mark dirty, unpin.
 
         ``dirty`` is marked on exit, after the caller's writes, so a write-back racing with
         the block can never leave home holding half-written bytes labelled as the newest.
         """
         tier = Tier.parse(tier)
-        tensor = self.wait(self.bring(key, tier, pin=True))
+        owner = _owner(owner)
+        tensor = self.wait(self.bring(key, tier, pin=True, owner=owner))
         try:
             yield tensor
         finally:
@@ -329,7 +364,43 @@ class TensorStore(TransferRunner):
                 if dirty:   # also when the block raised: it may have written part of the copy
                     self.mark_dirty(key, tier)
             finally:
-                self.unpin(key, tier)
+                self.unpin(key, tier, owner)
+
+    def host_scratch(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of at least ``nbytes`` (pinned on CUDA) that is no key's copy, counted
+        against the host budget like one: room is made for it by eviction (waiting for operations in
+        flight), and :class:`BudgetError` is raised when nothing can free enough. For staging
+        device->host copies (:meth:`copy_to_host`). Give it back with :meth:`release_scratch`."""
+        cost = self.pool.buffer_bytes(nbytes)
+        with self._cond:
+            while not self._make_room({Tier.HOST: cost}, "<host scratch>"):
+                self._cond.wait()
+            self._accounts[Tier.HOST].reserve(cost)
+            self._scratch_bytes += cost
+            self._scratch_peak_bytes = max(self._scratch_peak_bytes, self._scratch_bytes)
+        try:
+            return self.pool.acquire(nbytes)
+        except BaseException:
+            self._unreserve_scratch(cost)
+            raise
+
+    def release_scratch(self, buf: torch.Tensor) -> None:
+        """Give back a :meth:`host_scratch` buffer; no copy into or out of it may be in flight."""
+        cost = buf.numel()
+        self.pool.release(buf)
+        self._unreserve_scratch(cost)
+
+    def _unreserve_scratch(self, cost: int) -> None:
+        with self._cond:
+            self._accounts[Tier.HOST].unreserve(cost)
+            self._scratch_bytes -= cost
+            self._cond.notify_all()
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> cf.Future:
+        """Copy ``src`` (device) into ``dst`` (host, e.g. a :meth:`host_scratch` view) on the copier's
+        device->host lane: on CUDA a side stream, after the kernels the caller queued so far. Future[None],
+        done once ``dst`` holds the bytes; ``src`` and ``dst`` must stay untouched until then."""
+        return self._copier.to_host(dst, src.detach())
 
     def wait(self, fut: cf.Future):
         """``fut.result()``, with the time spent blocked counted in ``stats()["wait_s"]``."""
@@ -397,6 +468,7 @@ class TensorStore(TransferRunner):
                 "evictions": {t.value: self._evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "explicit_evictions": {t.value: self._explicit_evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "spills": {t.value: self._spills[t] for t in (Tier.DEVICE, Tier.HOST)},
+                "scratch_bytes": self._scratch_bytes, "scratch_peak_bytes": self._scratch_peak_bytes,
                 "wait_s": self._wait_s,
             }
             extents = self._extents
@@ -457,7 +529,7 @@ class TensorStore(TransferRunner):
             tiers.reverse()
         return list(zip(tiers, tiers[1:]))
 
-    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool):
+    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool, owner=None):
         """A Transfer that makes the ``tier`` copy current, or a done future if it already is."""
         if tier.rank > rec.home.rank:
             raise self._refuse(rec, tier, kind, f"it is slower than the home tier ({rec.home.value}); "
@@ -465,7 +537,7 @@ class TensorStore(TransferRunner):
         copy = rec.copies[tier]
         if copy.state is _R.RESIDENT and copy.version == rec.latest:
             if pin:
-                copy.pin(threading.get_ident())
+                copy.pin(_owner(owner))
             self._touch(copy)
             return _done(None if kind == "write_back" else copy.tensor)
         if rec.op is not None:
@@ -473,22 +545,24 @@ class TensorStore(TransferRunner):
         # Nearest current copy; on a tie the faster one (a memory copy beats a disk read).
         source = min(rec.current_tiers(), key=lambda t: (abs(t.rank - tier.rank), t.rank))
         hops = self._path(source, tier)
-        if self._targets_pinned(rec, hops, kind):
+        if self._targets_pinned(rec, hops, kind, owner):
             return None
         op = Transfer(kind, tier, hops, version=rec.latest)
-        op.pins_on_done = [threading.get_ident()] if pin else []
+        op.pins_on_done = [_owner(owner)] if pin else []
         return op
 
-    def _targets_pinned(self, rec: KeyRecord, hops: list, kind: str) -> bool:
-        """Whether a copy the hops would overwrite is pinned by another thread (then: wait for it).
+    def _targets_pinned(self, rec: KeyRecord, hops: list, kind: str, owner=None) -> bool:
+        """Whether a copy the hops would overwrite is pinned by another owner (then: wait for it).
 
         A pinned copy here is stale (a current one would be a source, not a target), and
-        refreshing it in place would change bytes under its reader. If the calling thread
-        holds the pin, waiting would deadlock, so that is an error instead.
+        refreshing it in place would change bytes under its reader. If the caller (``owner``;
+        None: the calling thread) holds the pin, waiting would deadlock, so that is an error instead.
         """
         for _, t in hops:
-            if rec.copies[t].pinned_by_me():
-                raise self._refuse(rec, t, kind, "this thread has it pinned, but it is stale and refreshing "
+            if rec.copies[t].pinned_by_owner(owner):
+                who = ("this thread has" if owner in (None, threading.get_ident())
+                       else f"owner {owner!r} has")
+                raise self._refuse(rec, t, kind, f"{who} it pinned, but it is stale and refreshing "
                                                  "it would overwrite it while in use; unpin it first")
             if rec.copies[t].pins:
                 return True

@@ -157,8 +157,8 @@ class TransferRunner:
         elif op.kind == "claim":
             rec.latest = op.version   # the claimed copy is the newest version; every other copy is stale
             result = rec.copies[op.target].tensor
-        for thread_id in op.pins_on_done:
-            rec.copies[op.target].pin(thread_id)
+        for owner in op.pins_on_done:
+            rec.copies[op.target].pin(owner)
         return result
 
     def _fail(self, rec: KeyRecord, op: Transfer, index: int) -> None:

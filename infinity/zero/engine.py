@@ -176,6 +176,7 @@ class ZeroEngine:
             self._finalizer = weakref.finalize(self, _release, self.update.pipeline, self.update.adam, self.store)
             with torch.no_grad():
                 meta.place_units(model, self.units, init_fn, self._place_unit, self.device)
+                meta.move_unsharded(model, self.units, self.device)   # buffers, frozen parameters
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
                                           config.zero.activation_checkpointing)
@@ -329,7 +330,8 @@ class ZeroEngine:
 
     def _hand_final_units(self) -> None:
         """Units whose reduced gradient reached their shard are final: the update may take them (overlap)."""
-        for unit in self.grads.take_folded():
+        # an overlapped update reads each unit's gradient during backward: it must have landed
+        for unit in self.grads.take_folded(readable=self.update.overlap is not None):
             self.update.unit_final(unit, self.grads.multiplier)
 
     def _end_backward(self) -> None:

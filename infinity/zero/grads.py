@@ -17,9 +17,15 @@ full gradient final and launches its reduction:
 or shard (stages 2-3) is a copy instead of an add, and slots that get no
 gradient are zeroed when their unit is reduced.
 
+A gradient homed in the store leaves the device without blocking backward: its
+copy runs on the store's device->host lane and the fold is left pending
+(:mod:`infinity.zero.grad_staging`) in :attr:`GradReducer.writes`, which the
+step waits for before anything reads a gradient.
+
 Gradients are never rewritten to unscale or clip them. fp16 overflow is noted
-while each reduced shard is still in memory (one all-reduce of a flag per
-step); unscaling and the clip coefficient become one fp32 multiplier
+while each reduced shard is still in memory, into a flag on the gradient's own
+device (no device sync per unit), read once per step after one all-reduce
+(:meth:`GradReducer.read_flag`, counted in ``flag_reads``); unscaling and the clip coefficient become one fp32 multiplier
 (:attr:`GradReducer.multiplier`) that the optimizer applies to each chunk as it
 reads it, in fp32 — so small fp16 gradients are not flushed to zero, and a
 stored gradient costs no extra read and write.
@@ -81,8 +87,10 @@ class GradReducer:
         self.buckets: list = []
         self._bucket_of: dict = {}
         self._inflight: collections.deque = collections.deque()
-        self.writes: list = []              # store futures of folded gradients, waited on before reading
-        self._inf_flag = torch.zeros(1, dtype=torch.float32)   # fp16: a folded shard was non-finite
+        self.writes: list = []              # pending folds / store futures, waited on before reading
+        self._unit_writes: dict = {}        # unit index -> its last fold's pending write (take_folded)
+        self._inf_flags: dict = {}          # fp16: device -> count of non-finite folded shards, kept there
+        self.flag_reads = 0                 # device->host reads of the overflow flag or the clip norm
         self.multiplier = 1.0               # unscale x clip coefficient, applied as the optimizer reads
         self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
         self.room = room if room is not None else (lambda attempt: attempt())
@@ -177,19 +185,27 @@ class GradReducer:
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
         inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
+        self._settle_landed_writes()
         write = unit.shard.fold_grad(out, first, inspect, room=self.room)
         if write is not None:
             self.writes.append(write)
+            self._unit_writes[unit.index] = write
         unit.full_grad = None   # the full gradient is dropped once reduced
         self._out_bytes -= out.nbytes
         self._folded.append(unit)
 
-    def take_folded(self) -> list:
+    def take_folded(self, readable: bool = False) -> list:
         """Units (stages 2-3) whose reduced gradient reached their shard since the last call, in order:
-        their gradient is final for this backward."""
+        their gradient is final for this backward. ``readable``: for a caller that reads them during
+        backward (the overlapped update): each one's fold is finished first where the store would not
+        make a read wait for it (an accumulation's sum is made when its copy lands)."""
         if not self._folded:
             return []   # the common case: called after every parameter's hook, nothing new
         out, self._folded = self._folded, []
+        for unit in out:
+            write = self._unit_writes.pop(unit.index, None)
+            if readable and write is not None and not getattr(write, "ordered", True):
+                write.result()
         return out
 
     def _copy_out(self, unit, out: torch.Tensor) -> None:
@@ -211,8 +227,31 @@ class GradReducer:
         self._note_buffers()
         return max(peak, self._buffer_peak_bytes)
 
+    def _settle_landed_writes(self) -> None:
+        """Finish pending folds whose copies have landed (frees their staging and pins early); a failure
+        stays pending, for :meth:`wait_writes` to raise."""
+        waiting = []
+        for w in self.writes:
+            if not w.done():
+                waiting.append(w)
+                continue
+            try:
+                w.result()
+            except BaseException:   # noqa: BLE001 - raised where the step waits
+                waiting.append(w)
+        self.writes = waiting
+
     def _note_non_finite(self, grad: torch.Tensor) -> None:
-        self._inf_flag.add_((~torch.isfinite(grad)).any().float().cpu())
+        """Count a non-finite shard into the flag on ``grad``'s device: no device->host read here."""
+        flag = self._inf_flags.get(grad.device)
+        if flag is None:
+            flag = self._inf_flags[grad.device] = torch.zeros(1, dtype=torch.float32, device=grad.device)
+        flag.add_((~torch.isfinite(grad)).any())
+
+    def read_flag(self, value: torch.Tensor) -> float:
+        """The one device->host read of a reduced flag or norm (counted: a device sync on CUDA)."""
+        self.flag_reads += 1
+        return float(value.item())
 
     def _launch_ready_buckets(self) -> None:
         # strictly in bucket order so every rank issues the same sequence of collectives
@@ -230,6 +269,7 @@ class GradReducer:
             if not unit.reduced:
                 self._reduce(unit)
         self._wait_all()
+        self._settle_landed_writes()   # the disk may start on gradients whose copies are in already
         for unit in self.units:
             unit.start_backward_pass()
 
@@ -253,6 +293,7 @@ class GradReducer:
                 bucket.pending, bucket.ready = None, 0
             self.wait_writes(raise_errors=False)
             self._folded = []
+            self._unit_writes = {}
             for unit in self.units:
                 unit.start_backward_pass()
                 if self.arena is None:
@@ -283,9 +324,12 @@ class GradReducer:
         if self.policy.grads_in_arena:   # in-memory shards: looked at now (stages 2-3 noted them when folded)
             for unit in self.units:
                 self._note_non_finite(unit.shard.get(TensorClass.GRAD))
-        flag, self._inf_flag = self._inf_flag.to(self.device), torch.zeros(1, dtype=torch.float32)
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for per_device in self._inf_flags.values():
+            flag += per_device.to(self.device)
+        self._inf_flags = {}
         self.overflow_coll.all_reduce_max(flag)
-        if flag.item() > 0:
+        if self.read_flag(flag) > 0:
             return True
         self.multiplier /= loss_scale
         return False
@@ -293,14 +337,17 @@ class GradReducer:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients; folds ``min(1, max_norm / norm)`` into the
         multiplier. Reads one unit's gradient shard at a time."""
-        sq = torch.zeros((), dtype=torch.float32)
+        per_device: dict = {}   # summed where each shard is: no device->host read per unit
         for unit in self.units:
-            sq += self.square_sum(unit, unit.shard.read(TensorClass.GRAD)).cpu()
+            s = self.square_sum(unit, unit.shard.read(TensorClass.GRAD)).reshape(())
+            per_device[s.device] = per_device[s.device] + s if s.device in per_device else s.clone()
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s in per_device.values():
+            sq += s.to(self.device)
         if self.norm_coll is not None:
-            sq = sq.to(self.device)
             self.norm_coll.all_reduce_sum(sq)
         # the shards still hold fp16's scaled values: the multiplier so far is the unscale
-        norm = sq.sqrt().cpu() * self.multiplier
+        norm = torch.tensor(self.read_flag(sq.sqrt()), dtype=torch.float32) * self.multiplier
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         self.multiplier *= float(coef)
         return norm
@@ -308,6 +355,7 @@ class GradReducer:
     def wait_writes(self, raise_errors: bool = True) -> None:
         """Wait for folded gradients still being written; a failed write is raised here."""
         writes, self.writes = self.writes, []
+        self._unit_writes = {}
         for f in writes:
             try:
                 f.result()
@@ -319,7 +367,7 @@ class GradReducer:
         """Logically zero every gradient (see the module doc); the multiplier starts again at 1."""
         self.multiplier = 1.0
         self._folded = []
-        self._inf_flag.zero_()
+        self._inf_flags = {}
         self._out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
         if self.arena is not None:
             for unit in self.units:

@@ -40,6 +40,7 @@ import threading
 import torch
 
 from infinity.store import BudgetError, TensorStore, Tier
+from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
@@ -87,9 +88,12 @@ class StoreUnitShard(UnitShard):
     """
 
     def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies,
-                 bounds: list | None = None, resident: frozenset = frozenset(), stream_states: bool = False):
+                 bounds: list | None = None, resident: frozenset = frozenset(), stream_states: bool = False,
+                 staging: FoldStaging | None = None):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
+        self.staging = staging if staging is not None else FoldStaging(store)   # accumulation folds' buffers
+        self._pending_fold = None   # the last fold_grad's pending write (its copies may be in flight)
         self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
@@ -245,8 +249,11 @@ class StoreUnitShard(UnitShard):
         self.lent.write_back()   # a checkpoint load may have written the shard through get()
         tier = Tier.DEVICE
         if not self.chunked:
-            src = self.store.wait(self.store.bring(keys[0], tier, pin=True))
-            return src, lambda: self.store.unpin(keys[0], tier)
+            # the pin's owner is this gather, not a thread: the unpin may come from another one (on CUDA
+            # autograd runs backward hooks on its device thread)
+            owner = ("gather", self.unit_index)
+            src = self.store.wait(self.store.bring(keys[0], tier, pin=True, owner=owner))
+            return src, lambda: self.store.unpin(keys[0], tier, owner)
         for key in keys[1:]:   # reads in flight together, as far as the budget has room (best effort)
             try:
                 self.store.bring(key, tier)
@@ -269,44 +276,89 @@ class StoreUnitShard(UnitShard):
             self.store.bring(key, Tier.DEVICE)
 
     def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None, room=None):
-        """A stored gradient is folded in host memory and written home in the background; with
-        ``Placement.defer_grad_writes`` (the update overlaps backward) it is left there unwritten
-        instead, and dropped unwritten once the optimizer has consumed it
-        (:meth:`consumed_after_update`): the gradient shard does not touch the disk. The cost: until
-        its update, it holds host room no eviction can take (short of room, the store writes such
-        copies home: :meth:`~infinity.store.TensorStore.spill`). A host-homed gradient is replaced in place.
+        """Fold a reduced gradient into the stored shard without waiting for it to leave the device
+        (:mod:`infinity.zero.grad_staging`): returns what the step must wait for before reading it (a
+        store future or a :class:`~infinity.zero.grad_staging.PendingFold`), and ``reduced`` must stay
+        unchanged until then.
 
-        ``room(attempt)`` wraps each chunk's claim or bring, which may wait for host room and run
-        ``attempt`` again: a retry repeats that one chunk's store call, never a sum already folded."""
+        - Host-homed first gradient: the shard is replaced (re-registered from ``reduced``, copied on the
+          device->host lane); the old bytes are never read (zero_grad is lazy, saving a read and a write
+          of every stored shard per step).
+        - NVMe-homed first gradient: its host copy is claimed with ``reduced`` as the source (same lane),
+          and written home once landed. With ``Placement.defer_grad_writes`` (the update overlaps
+          backward) it is left there unwritten instead, and dropped unwritten once the optimizer has
+          consumed it (:meth:`consumed_after_update`): the gradient shard does not touch the disk. The
+          cost: until its update, it holds host room no eviction can take (short of room, the store
+          writes such copies home: :meth:`~infinity.store.TensorStore.spill`).
+        - Accumulation: the stored sum is brought to host memory while ``reduced`` is copied into a
+          staging buffer (:class:`~infinity.zero.grad_staging.FoldStaging`); the sum is made on the host
+          once both have landed.
+
+        ``inspect(t)`` (fp16's overflow check) sees the folded gradient while it is in memory: ``reduced``
+        itself for a first gradient, the host sum for an accumulation. ``room(attempt)`` wraps each
+        chunk's claim or bring, which may wait for host room and run ``attempt`` again: a retry repeats
+        that one chunk's store call, never a sum already folded."""
         room = room or (lambda attempt: attempt())
         keys = self._keys.get(TensorClass.GRAD)
         if keys is None:
             return super().fold_grad(reduced, first, inspect)
+        self._finish_pending_fold()   # one fold of a key in flight: the last micro-batch's lands first
+        if first and inspect is not None:
+            inspect(reduced)
         if first and self.placement.home(TensorClass.GRAD) is Tier.HOST:
-            # it *is* the shard, so the old bytes are never read (zero_grad is lazy, saving a read
-            # and a write of every stored shard per step)
-            if inspect is not None:
-                inspect(reduced)
-            return room(lambda: self.replace(TensorClass.GRAD, reduced))   # retry-safe: re-registers every chunk
+            write = room(lambda: self.replace(TensorClass.GRAD, reduced))   # retry-safe: re-registers every chunk
+            self._pending_fold = write
+            return write
         self.lent.write_back()
-        for key, b in zip(keys, self.bounds if self.chunked else [None]):
+        folds = []
+        for c, (key, b) in enumerate(zip(keys, self.bounds if self.chunked else [None])):
             part = reduced if b is None else reduced[b[0]:b[1]]
-            # first: claimed, its stale bytes never read; else brought and summed into
-            move = self.store.claim if first else self.store.bring
-            g = self.store.wait(room(lambda key=key, move=move: move(key, Tier.HOST, pin=True)))
-            try:
-                if first:
-                    g.copy_(part)
-                else:
-                    g.add_(part.to(g.device))
-                if inspect is not None:
-                    inspect(g)   # the sum itself may overflow; looked at while it is here
-                self.store.mark_dirty(key, Tier.HOST)
-            finally:
-                self.store.unpin(key, Tier.HOST)
+            folds.append(self._fold_first(key, part, room) if first else
+                         self._fold_sum(key, c, part, inspect, room))
+        self._pending_fold = all_folds(folds)
+        return self._pending_fold
+
+    def _fold_first(self, key: str, part: torch.Tensor, room) -> PendingFold:
+        """The chunk's host copy claimed from ``part`` (its stale bytes never read); home once landed."""
+        claimed = self.staging.with_room(lambda: room(lambda: self.store.claim(key, Tier.HOST, src=part)))
+        write_home = None if self.placement.defer_grad_writes else (lambda: self.store.write_back(key))
+        # ordered: the claim holds the key busy until the bytes have landed, so readers wait for them
+        return self.staging.track(PendingFold([claimed], finish=write_home, ordered=True))
+
+    def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold:
+        """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
+        owner = ("fold", self.unit_index, chunk)
+        brought = self.staging.with_room(lambda: room(lambda: self.store.bring(key, Tier.HOST, pin=True,
+                                                                                owner=owner)))
+
+        def finish(staged: torch.Tensor) -> None:
+            g = brought.result()
+            g.add_(staged)
+            if inspect is not None:
+                inspect(g)   # the sum itself may overflow; looked at while it is here
+            self.store.mark_dirty(key, Tier.HOST)
             if not self.placement.defer_grad_writes:
                 self.store.write_back(key)   # in the background; a later bring waits for it
-        return None
+
+        def unpin() -> None:
+            if brought.exception() is None:   # done by now: the fold waited for it
+                self.store.unpin(key, Tier.HOST, owner)
+
+        try:
+            return self.staging.stage(part, finish, cleanup=unpin, after=[brought], room=room)
+        except BaseException:
+            cf.wait([brought])
+            unpin()
+            raise
+
+    def _finish_pending_fold(self) -> None:
+        """Finish this shard's last fold if it is still pending (a failure is raised where the step waits)."""
+        pending, self._pending_fold = self._pending_fold, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:   # noqa: BLE001 - the reducer's pending writes hold it too
+                pass
 
     def consumed_after_update(self, chunk: int = 0) -> tuple:
         """The NVMe-homed gradient chunk: dead once Adam has read it (the next fold overwrites it)."""
@@ -355,6 +407,7 @@ class StoreUnitShard(UnitShard):
 
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
+        self._finish_pending_fold()   # no copy may still land in a key being released
         for key in {k for keys in self._keys.values() for k in keys}:
             if key in self.store:
                 self.store.release(key)
@@ -367,14 +420,15 @@ def store_shards(store: TensorStore, placement: Placement, stage: int, param_ite
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
     the resident chunks :meth:`Placement.host_resident_plan` picks within the host budget (``budgets``:
     bytes per tier), streaming the optimizer states when :meth:`Placement.streams_optimizer` says so;
-    every shard made by one factory shares one :class:`LentCopies`."""
-    lent = LentCopies(store)
+    every shard made by one factory shares one :class:`LentCopies` and one
+    :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's)."""
+    lent, staging = LentCopies(store), FoldStaging(store)
     chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
     room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
     plan = placement.host_resident_plan(units, stage, param_itemsize, reduce_itemsize, room)
     stream = placement.streams_optimizer(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
     return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
-                                       plan.get(unit.index, frozenset()), stream)
+                                       plan.get(unit.index, frozenset()), stream, staging)
 
 
 def _all_of(futures: list) -> cf.Future:

@@ -175,9 +175,13 @@ def train_step(model, opt, step: int) -> float:
     return mean_over_ranks(loss)
 
 
-def wait_store_idle(store, timeout_s: float = 30.0) -> None:
+def wait_store_idle(store, grads=None, timeout_s: float = 30.0) -> None:
     """Wait until no store operation is in flight (e.g. backward's gradient writes to NVMe), so a
-    fault injected next hits the optimizer step's own I/O."""
+    fault injected next hits the optimizer step's own I/O. ``grads``: the engine's gradient reducer,
+    whose folds still in flight are finished first (their writes home start only once their copies
+    have landed)."""
+    if grads is not None:
+        grads.wait_writes()
     deadline = time.monotonic() + timeout_s
     with store._cond:
         while any(rec.op is not None for rec in store._keys.values()):
@@ -332,7 +336,7 @@ def _enospc_run(spec: dict, tag: str, fail_at: int | None, out: dict) -> dict:
             if step == fail_at:
                 before = {"group_steps": list(opt.group_steps), "skipped_steps": opt.skipped_steps,
                           "scaler": scaler()}
-                wait_store_idle(engine.store)
+                wait_store_idle(engine.store, engine.grads)
                 engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
                 try:
                     opt.step()

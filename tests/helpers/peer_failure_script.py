@@ -37,7 +37,7 @@ def main() -> dict:
                 if step == 1:
                     filled_at = time.time()
                     if rank == 1:   # every write from now on: the disk is full (this rank's only)
-                        wait_store_idle(engine.store)
+                        wait_store_idle(engine.store, engine.grads)
                         engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=10**6)
                 opt.step()
                 opt.zero_grad()

@@ -275,6 +275,28 @@ def test_same_bring_in_flight_is_shared_and_pins_each_caller(store, monkeypatch)
     assert store.stats()["moved_bytes"]["nvme->host"] == 200      # one read served both callers
 
 
+def test_a_pin_belongs_to_its_owner_token_not_to_a_thread(store):
+    """Pinned under an owner token on one thread, unpinned with it from another (as a gather pinned in a
+    backward hook on autograd's device thread is released from the caller's); a wrong token is refused;
+    a refresh the pin's owner itself would wait on is an error, another owner's waits."""
+    store.register("a", torch.arange(8.0), home=Tier.HOST).result()
+    with cf.ThreadPoolExecutor(1) as other:
+        other.submit(lambda: store.bring("a", Tier.DEVICE, pin=True, owner=("gather", 3)).result()).result()
+        with pytest.raises(StoreError, match=r"owner \('gather', 4\) holds no pin"):
+            store.unpin("a", Tier.DEVICE, owner=("gather", 4))
+        store.get("a", Tier.HOST).fill_(1)   # the pinned device copy is stale now
+        store.mark_dirty("a", Tier.HOST)
+        with pytest.raises(StoreError, match=r"owner \('gather', 3\) has it pinned"):
+            other.submit(lambda: store.bring("a", Tier.DEVICE, owner=("gather", 3))).result()
+        waiting = other.submit(lambda: store.bring("a", Tier.DEVICE, owner=("gather", 5)).result(timeout=10))
+        with pytest.raises(cf.TimeoutError):
+            waiting.result(timeout=0.2)   # another owner's refresh waits for the pin to go
+        store.unpin("a", Tier.DEVICE, owner=("gather", 3))   # this thread never pinned it
+        assert torch.equal(waiting.result(timeout=10), torch.ones(8))
+    assert store.residency("a")[Tier.DEVICE] is R.RESIDENT
+    store.evict("a", Tier.DEVICE).result()   # no pin left behind
+
+
 def test_evict_of_copy_marked_dirty_while_draining_keeps_it(store, monkeypatch):
     store.register("a", torch.zeros(10)).result()
     store.bring("a", Tier.DEVICE).result().fill_(1)

@@ -320,7 +320,7 @@ def test_a_full_disk_while_streaming_loses_nothing(tmp_path):
                 loss.backward()
                 losses.append(loss.item())
                 if step == fail_at:
-                    wait_store_idle(engine.store)
+                    wait_store_idle(engine.store, engine.grads)
                     engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
                     try:
                         with pytest.raises(OSError, match="No space left on device") as err:

@@ -1,0 +1,203 @@
+"""Gradient folds into stored shards whose device->host copy is still in flight.
+
+A reduced gradient leaves the device on the store's device->host copier lane
+(on CUDA a side stream, after an event recorded on the compute stream behind
+the reduce-scatter's wait), so backward never drains the GPU to hand a shard to
+host memory. What is left to do once the bytes have landed is a
+:class:`PendingFold`; the gradient reducer keeps it with its pending writes and
+the step finishes it (:meth:`PendingFold.result`) before anything reads the
+gradient.
+
+- First gradient of a step: the host copy is *claimed* with the device tensor as
+  its source (:meth:`~infinity.store.TensorStore.claim` with ``src``): the store
+  holds the key busy until the bytes have landed, so any read of it waits for
+  them; finishing only starts the write home.
+- Accumulation (a later micro-batch): the stored sum is brought to host memory
+  (an NVMe read, in flight meanwhile) while the new gradient is copied into a
+  staging buffer; finishing adds the staged bytes into the sum on the host, the
+  same ``add_`` as the blocking path, so results are bitwise equal.
+
+Why fold on the host after the copy lands, not on the device: a device fold
+would bring the stored sum to the device and the new sum back, twice the PCIe
+bytes of the host fold and a device buffer of each shard's size, to save one
+host ``add_`` of a shard, which CPU memory bandwidth does far faster than the
+copy itself. The price is staging memory: :class:`FoldStaging` holds at most
+``max_buffers`` staging buffers (host scratch counted against the host tier),
+and a fold that would need one more first finishes the oldest.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import torch
+
+from infinity.store import BudgetError
+
+__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS"]
+
+# Staging buffers for accumulation folds in flight at once: one being copied while the one before
+# is folded; more would only hold host memory while the same copy lane drains them in order.
+STAGING_BUFFERS = 2
+
+
+class PendingFold:
+    """Work left after a fold's copies land: ``finish()`` runs on the thread that calls :meth:`result`,
+    once, after every future in ``copies`` is done; ``cleanup()`` runs then too, even if a copy or
+    ``finish`` failed (unpins, gives staging back). Duck-types a Future for the reducer's pending writes.
+
+    ``ordered``: the store itself makes every read of the gradient wait for these copies (a claim with a
+    source keeps its key busy until they land), so a reader need not wait for this fold first; an
+    accumulation's sum is made only by ``finish``, so a reader during backward must."""
+
+    def __init__(self, copies: list, finish=None, cleanup=None, ordered: bool = False):
+        self._copies, self._finish, self._cleanup = copies, finish, cleanup
+        self.ordered = ordered
+        self._ran = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()   # finished once, whichever thread waits first
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`result` has run (successfully or not)."""
+        return self._ran
+
+    def done(self) -> bool:
+        """True once :meth:`result` would not wait (every copy landed, or it has run)."""
+        return self._ran or all(f.done() for f in self._copies)
+
+    def result(self, timeout=None):
+        """Wait for the copies, then finish the fold (first call); a failure is raised at every call."""
+        with self._lock:
+            self._run(timeout)
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def _run(self, timeout) -> None:
+        if not self._ran:
+            self._ran = True
+            try:
+                for f in self._copies:
+                    f.result(timeout)
+                if self._finish is not None:
+                    self._finish()
+            except BaseException as e:   # noqa: BLE001 - kept, and raised to every waiter
+                self._error = e
+            finally:
+                cleanup, self._copies, self._finish, self._cleanup = self._cleanup, [], None, None
+                if cleanup is not None:   # (the references go: a copy's future holds its host tensor)
+                    try:
+                        cleanup()
+                    except BaseException as e:   # noqa: BLE001
+                        self._error = self._error or e
+
+
+def all_folds(folds: list):
+    """One pending write for a shard's chunk folds: None if there are none, the fold itself if one."""
+    folds = [f for f in folds if f is not None]
+    if not folds:
+        return None
+    if len(folds) == 1:
+        return folds[0]
+    # each one finishes itself when waited on; a store future (a replacement's) is ordered by the store
+    return PendingFold(folds, ordered=all(getattr(f, "ordered", True) for f in folds))
+
+
+class FoldStaging:
+    """Host staging buffers for accumulation folds, at most ``max_buffers`` at once, from ``store``'s host
+    scratch (pinned on CUDA, counted against the host tier). ``peak_buffers`` / ``peak_bytes``: the most
+    held at once; ``waits``: folds that had to finish an older one first to get a buffer."""
+
+    def __init__(self, store, max_buffers: int = STAGING_BUFFERS):
+        if max_buffers < 1:
+            raise ValueError(f"FoldStaging: max_buffers must be >= 1, got {max_buffers}")
+        self.store, self.max_buffers = store, max_buffers
+        self._holders: collections.deque = collections.deque()   # PendingFolds that took a buffer, oldest first
+        self.held_buffers = 0
+        self._held_bytes = 0
+        self.peak_buffers = 0
+        self.peak_bytes = 0
+        self.waits = 0
+
+    def stage(self, src: torch.Tensor, finish, cleanup=None, after=(), room=None) -> PendingFold:
+        """Copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
+        ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then ``cleanup()``, then the
+        buffer goes back. ``room(attempt)`` wraps the claim of the buffer (it may wait for host room)."""
+        room = room or (lambda attempt: attempt())
+        self._prune()
+        while self._holders and self._holders[0].done():
+            self._retire()
+        while self.held_buffers >= self.max_buffers:
+            self.waits += 1
+            self._retire()
+        nbytes = src.numel() * src.element_size()
+        buf = self.with_room(lambda: room(lambda: self.store.host_scratch(nbytes)))
+        staged = buf[:nbytes].view(src.dtype).view(src.shape)
+        self.held_buffers += 1
+        self._held_bytes += buf.numel()
+        self.peak_buffers = max(self.peak_buffers, self.held_buffers)
+        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+        try:
+            copy = self.store.copy_to_host(staged, src)
+        except BaseException:
+            self._give_back(buf)
+            raise
+
+        def done() -> None:
+            try:
+                if cleanup is not None:
+                    cleanup()
+            finally:
+                self._give_back(buf)
+
+        fold = PendingFold([copy, *after], finish=lambda: finish(staged), cleanup=done)
+        self._holders.append(fold)
+        return fold
+
+    def track(self, fold: PendingFold) -> PendingFold:
+        """Count a fold that holds host room but no staging buffer (a claimed first gradient, written
+        home only when finished) among those :meth:`with_room` may finish to make room."""
+        self._prune()
+        self._holders.append(fold)
+        return fold
+
+    def _prune(self) -> None:
+        """Forget folds finished elsewhere (the step's wait, or the reducer settling landed ones)."""
+        if any(f.finished for f in self._holders):
+            self._holders = collections.deque(f for f in self._holders if not f.finished)
+
+    def with_room(self, attempt):
+        """``attempt()`` (a store call for host room); refused for room (BudgetError) while folds in flight
+        hold some (their pinned sums, their staging), the oldest is finished and it is tried again: the
+        folds in flight never need more room than one fold done the blocking way."""
+        while True:
+            try:
+                return attempt()
+            except BudgetError:
+                if not self._holders:
+                    raise
+                self._retire()
+
+    def _retire(self) -> None:
+        """Finish the oldest holder (its error stays with it, for the step's wait to raise)."""
+        fold = self._holders.popleft()
+        try:
+            fold.result()
+        except BaseException:   # noqa: BLE001 - raised again where the step waits for it
+            pass
+
+    def _give_back(self, buf: torch.Tensor) -> None:
+        self.held_buffers -= 1
+        self._held_bytes -= buf.numel()
+        self.store.release_scratch(buf)
+
+    def drain(self) -> None:
+        """Finish every fold still holding a buffer (the shards are going away)."""
+        while self._holders:
+            self._retire()
+
+    def stats(self) -> dict:
+        return {"max_buffers": self.max_buffers, "held_buffers": self.held_buffers,
+                "peak_buffers": self.peak_buffers, "peak_bytes": self.peak_bytes, "waits": self.waits}

@@ -1,0 +1,221 @@
+"""Gradient folds into stored shards that do not wait for the device->host copy: the same bytes as
+the blocking way, the step waiting for every copy before it reads, fp16's flag read once per step,
+and the staging buffers within their bound. The store's copier is a stand-in whose copies land late."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gated_copier import GatedCopier
+from infinity.comm.collectives import LocalCollectives
+from infinity.comm.unit_collectives import UnitCollectives
+from infinity.config import IOConfig, TiersConfig
+from infinity.store import TensorStore, Tier
+from infinity.zero.grad_staging import FoldStaging
+from infinity.zero.grads import GradReducer
+from infinity.zero.placement import Placement
+from infinity.zero.stage import StagePolicy
+from infinity.zero.store_shard import LentCopies, StoreUnitShard
+from infinity.zero.units import TensorClass, UnitShard
+from unit_parts import Blocks, make_units
+
+NUMEL = 4096 * 4
+HALVES = [(0, NUMEL // 2), (NUMEL // 2, NUMEL)]
+QUARTERS = [(i * NUMEL // 4, (i + 1) * NUMEL // 4) for i in range(4)]
+
+
+def _store(tmp_path, copier, host_bytes=1 << 20):
+    return TensorStore(TiersConfig(device_bytes=1 << 20, host_bytes=host_bytes, nvme_path=str(tmp_path)),
+                       IOConfig(block_bytes=16384, queue_depth=4, threads=2), copier=copier)
+
+
+def _placement(grads: str, defer: bool = False) -> Placement:
+    return Placement(params=None, grads=Tier.NVME if grads == "nvme" else Tier.HOST, optimizer=None,
+                     chunk_bytes=1 << 20, defer_grad_writes=defer)
+
+
+def _grads(n: int, seed: int = 0) -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=g) * 10 ** k for k in range(n)]   # sums that round
+
+
+@pytest.mark.parametrize("grads", ("nvme", "host"))
+@pytest.mark.parametrize("chunks", (None, HALVES))
+@pytest.mark.parametrize("defer", (False, True))
+def test_folds_give_the_blocking_paths_bytes_and_return_before_the_copy_lands(tmp_path, grads, chunks, defer):
+    """Each fold returns while its copy is still held back; once landed, the shard holds bitwise what the
+    in-memory shard's blocking copy/add_ gives, for first gradients and accumulations alike."""
+    copier = GatedCopier(open_gate=False)
+    store = _store(tmp_path, copier)
+    try:
+        shard = StoreUnitShard(store, 0, _placement(grads, defer), LentCopies(store), chunks)
+        shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        plain = UnitShard()
+        plain.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        parts = _grads(4)
+        for i, part in enumerate(parts):
+            first = i in (0, 2)   # a zero_grad between micro-batches 2 and 3
+            write = shard.fold_grad(part.clone(), first)
+            assert write is not None and not write.done(), "the fold waited for its copy"
+            copier.gate.set()
+            write.result()
+            copier.gate.clear()
+            plain.fold_grad(part, first)
+        copier.gate.set()
+        assert torch.equal(shard.read(TensorClass.GRAD), plain.get(TensorClass.GRAD))
+        assert torch.equal(plain.get(TensorClass.GRAD), parts[2] + parts[3])
+        assert shard.staging.held_buffers == 0 and store.stats()["scratch_bytes"] == 0
+        shard.release()
+    finally:
+        store.close()
+        copier.close()
+
+
+def _reducer(units, fp16=False) -> GradReducer:
+    coll = LocalCollectives()
+    return GradReducer(units, StagePolicy.of(2), coll, UnitCollectives(coll), torch.float32, torch.device("cpu"),
+                       bucket_bytes=1 << 20, shard_rank=0, fp16=fp16, norm_coll=coll)
+
+
+def _stored_units(store, grads="nvme"):
+    units = make_units(Blocks(width=64))
+    for unit in units:   # gradient shards in the store (the engine's store_shards does this)
+        unit.shard = StoreUnitShard(store, unit.index, _placement(grads), LentCopies(store))
+    return units
+
+
+def _backward(reducer, units, grads):
+    for unit in units:
+        for slot, p in zip(unit.slots, unit.params):
+            p.grad = grads[slot.name].clone()
+            reducer.param_ready(unit, slot, p)
+    reducer.flush()
+    reducer.take_folded()
+
+
+def _wait_until(cond, timeout_s=30.0):
+    import time
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def _random(units, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {s.name: torch.randn(s.shape, generator=g) for u in units for s in u.slots}
+
+
+def _flat(unit, grads):
+    out = torch.zeros(unit.padded_numel)
+    for s in unit.slots:
+        out[s.offset:s.offset + s.numel] = grads[s.name].reshape(-1)
+    return out
+
+
+def test_the_step_waits_for_every_gradient_copy_before_it_reads(tmp_path):
+    """Two micro-batches with every copy held back: backward finishes without them; finish() (what the
+    step calls before the update reads) returns only after the last copy has landed and been folded."""
+    copier = GatedCopier(open_gate=False)
+    store = _store(tmp_path, copier)
+    try:
+        units = _stored_units(store)
+        r = _reducer(units)
+        r.build()
+        r.zero()   # the next backward's folds are first gradients
+        g1, g2 = _random(units, 1), _random(units, 2)
+        _backward(r, units, g1)   # first gradients: claimed from the device tensor, copies held back
+        assert copier.in_flight() == len(units) and r.writes, "backward waited for its copies"
+        copier.gate.set()
+        _wait_until(lambda: copier.in_flight() == 0)
+        copier.gate.clear()
+        _backward(r, units, g2)   # accumulations: staged, summed once their copies land
+        assert copier.in_flight() == len(units), "backward waited for its copies"
+        returned = threading.Event()
+        t = threading.Thread(target=lambda: (r.finish(None), copier.log.append(("finish returned",)),
+                                             returned.set()))
+        t.start()
+        assert not returned.wait(0.3), "finish() returned while gradient copies were still held back"
+        copier.gate.set()
+        assert returned.wait(30)
+        t.join()
+        assert copier.log[-1] == ("finish returned",)
+        assert sum(1 for e in copier.log if e[0] == "landed") == copier.submitted == 2 * len(units)
+        for u in units:
+            assert torch.equal(u.shard.read(TensorClass.GRAD), _flat(u, g1) + _flat(u, g2)), u.name
+    finally:
+        store.close()
+        copier.close()
+
+
+@pytest.mark.parametrize("stored", (False, True))
+def test_fp16_overflow_flag_is_read_once_per_step_not_per_unit(tmp_path, stored, monkeypatch):
+    """No ``.item()`` / ``.cpu()`` while backward folds the units (a device sync each, on CUDA); the flag
+    summed on the gradients' device is read once, in finish(), and still sees an overflow."""
+    copier = GatedCopier()
+    store = _store(tmp_path, copier)
+    try:
+        units = _stored_units(store) if stored else make_units(Blocks(width=64))
+        r = _reducer(units, fp16=True)
+        r.build()
+        reads = {"item": 0, "cpu": 0}
+        item, cpu = torch.Tensor.item, torch.Tensor.cpu
+
+        def counting(name, fn):
+            def call(self, *a, **k):
+                reads[name] += 1
+                return fn(self, *a, **k)
+            return call
+
+        for finite in (True, False):
+            grads = _random(units, 3)
+            if not finite:
+                grads[units[1].slots[0].name][0, 0] = float("inf")
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "item", counting("item", item))
+                m.setattr(torch.Tensor, "cpu", counting("cpu", cpu))
+                _backward(r, units, grads)
+            assert reads == {"item": 0, "cpu": 0}, f"backward read from the device: {reads}"
+            before = r.flag_reads
+            assert r.finish(1024.0) is (not finite)
+            assert r.flag_reads == before + 1   # one read of the all-reduced flag per step
+            r.zero()
+    finally:
+        store.close()
+        copier.close()
+
+
+def test_staging_buffers_stay_within_their_bound(tmp_path):
+    """Accumulating a four-chunk shard with slow copies needs four staging buffers at once, the bound is
+    two: folds finish older ones to stay within it, host scratch never exceeds two chunks, sums exact."""
+    copier = GatedCopier(delay_s=0.02)
+    store = _store(tmp_path, copier)
+    try:
+        staging = FoldStaging(store, max_buffers=2)
+        shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), QUARTERS, staging=staging)
+                  for i in range(2)]
+        parts = _grads(3, seed=4)
+        for shard in shards:
+            shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        writes = []
+        for i, part in enumerate(parts):
+            for shard in shards:
+                writes.append(shard.fold_grad(part.clone(), first=i == 0))
+        for w in writes:
+            w.result()
+        chunk_bytes = NUMEL // 4 * 4
+        assert staging.peak_buffers == 2 and staging.waits > 0, staging.stats()
+        assert staging.peak_bytes <= 2 * chunk_bytes
+        assert store.stats()["scratch_peak_bytes"] <= 2 * chunk_bytes and store.stats()["scratch_bytes"] == 0
+        want = (parts[0] + parts[1]) + parts[2]
+        for shard in shards:
+            assert torch.equal(shard.read(TensorClass.GRAD), want)
+        assert staging.held_buffers == 0
+        with pytest.raises(ValueError, match="max_buffers must be >= 1"):
+            FoldStaging(store, max_buffers=0)
+    finally:
+        store.close()
+        copier.close()
