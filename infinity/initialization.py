@@ -76,8 +76,9 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     _bound_host_heap(cfg)
     device = _init_distributed(cfg)
     on_meta = is_meta_model(model)
-    if device.type == "cuda" and not on_meta:
-        model.to(device)  # a meta model's units are materialized on the device one at a time instead
+    # A real model is not moved to the device first: the engine shards it from where it is, each unit's
+    # flat buffer made on the device (so a model bigger than the GPU can be sharded, and the device
+    # budget is measured without it there); buffers and frozen parameters follow (move_unsharded)
     groups = _param_groups(model, params)
     mesh = build_mesh(cfg.parallel.tensor, device.type)
     tp, coll = None, None

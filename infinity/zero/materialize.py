@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["is_meta_model", "InitStep", "init_plan", "give_storage", "run_init", "check_no_meta", "place_units",
-           "materialize_steps"]
+           "move_unsharded", "materialize_steps"]
 
 
 def is_meta_model(model: nn.Module) -> bool:
@@ -143,6 +143,29 @@ def place_units(model: nn.Module, units: list, init_fn: Callable | None, place: 
                 left[unit.index] -= 1
                 if left[unit.index] == 0:
                     place(unit, flats.pop(unit.index))
+
+
+def move_unsharded(model: nn.Module, units: list, device) -> None:
+    """Move what no unit holds (buffers, frozen parameters) onto ``device``, one tensor at a time.
+
+    ``initialize`` shards a real model from wherever it was built (host memory, usually) and each
+    unit's flat buffer is made on the device (:func:`place_units`), so the whole model is never on the
+    device at once, and the device budget is measured without it; this moves the rest, as
+    ``model.to(device)`` would have. Meta tensors are left alone (a meta model makes its own)."""
+    device = torch.device(device)
+    sharded = {id(p) for u in units for p in u.params}
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and not buf.is_meta and buf.device != device:
+                setattr(module, name, buf.to(device))
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in sharded or p.is_meta or p.device == device:
+                continue
+            moved = p.data.to(device)
+            if torch._has_compatible_shallow_copy_type(p, moved):   # as nn.Module._apply decides
+                p.data = moved   # the same Parameter object (host -> CUDA)
+            else:
+                setattr(module, name, nn.Parameter(moved, requires_grad=p.requires_grad))
 
 
 def materialize_steps(model: nn.Module, unit_modules: list, init_fn: Callable | None, device):
