@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["CpuAdamW", "adamw_", "default_adam_threads"]
+__all__ = ["CpuAdamW", "adamw_", "device_adamw_", "uses_fused_adamw", "default_adam_threads"]
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # The fused kernel runs vector lanes over the body of a tensor and scalar code
@@ -133,13 +133,37 @@ class CpuAdamW:
 
 def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:
     if _HAS_FUSED:
-        # The fused kernel reads the step count from a tensor and expects it
-        # already incremented (torch.optim.AdamW increments before calling it).
-        step_t = torch.tensor(float(step))
-        torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
-                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        _fused_adamw(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
         return
     adamw_(p, g, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+
+
+def uses_fused_adamw(device: torch.device | str) -> bool:
+    """Whether :func:`device_adamw_` updates states on ``device`` with torch's fused AdamW kernel: on
+    CUDA (one kernel for the whole update instead of about ten elementwise ones, each a pass over the
+    states), where torch has it; on any other device the plain ops of :func:`adamw_`."""
+    return torch.device(device).type == "cuda" and _HAS_FUSED
+
+
+def device_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+                  step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """One AdamW update of optimizer states kept in device memory, in place: torch's fused kernel
+    where :func:`uses_fused_adamw` says so (then bitwise ``torch.optim.AdamW(fused=True)``), else
+    :func:`adamw_`. ``step`` is the 1-based count after this update."""
+    if uses_fused_adamw(param.device):
+        _fused_adamw(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                     weight_decay=weight_decay)
+        return
+    adamw_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay)
+
+
+def _fused_adamw(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    # The step count lives on the states' device, as torch.optim.AdamW(fused=True) keeps it, and is made
+    # there by a fill (no host->device copy); the kernel expects it already incremented.
+    step_t = torch.full((), float(step), dtype=torch.float32, device=p.device)
+    torch._fused_adamw_([p], [g], [m], [v], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
@@ -147,7 +171,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     """One AdamW update in place on flat fp32 tensors (any device); the same ops as torch's
     ``_single_tensor_adam``, so bitwise equal to ``torch.optim.AdamW``'s default path. The project's
     one copy of the math: CPU Adam's fallback where torch has no fused kernel, and the update of
-    optimizer states kept in device memory. ``step`` is the 1-based count after this update."""
+    optimizer states kept in memory of a device without one (:func:`device_adamw_`). ``step`` is the 1-based count after this update."""
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)

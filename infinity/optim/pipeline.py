@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import CpuAdamW, adamw_
+from infinity.optim.cpu_adam import CpuAdamW, device_adamw_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.host_pool import HostBufferPool
@@ -482,7 +482,8 @@ class AdamPipeline:
         of its copy there (None when Adam wrote it in place).
 
         Host-resident masters go through CpuAdamW. A master kept in device memory (optimizer
-        not offloaded, CUDA) is updated where it lives with the same math; a tensor on the
+        not offloaded, CUDA) is updated where it lives by torch's fused AdamW kernel, as CpuAdamW
+        runs it on the host (:func:`~infinity.optim.cpu_adam.device_adamw_`); a tensor on the
         other side of the master (a device gradient, a device parameter) is copied across.
         """
         master = t["master"]
@@ -508,8 +509,8 @@ class AdamPipeline:
                 self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
                                 step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                 weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
-            else:   # CUDA-only: states in device memory, updated there with the same kernel
-                adamw_(master[lo:hi], grad[lo:hi].float() * job.grad_scale, t["exp_avg"][lo:hi],
+            else:   # CUDA-only: states in device memory, updated there by torch's fused kernel
+                device_adamw_(master[lo:hi], grad[lo:hi].float() * job.grad_scale, t["exp_avg"][lo:hi],
                        t["exp_avg_sq"][lo:hi], step=h["step"], lr=h["lr"], beta1=h["betas"][0],
                        beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
                 if o is not None:

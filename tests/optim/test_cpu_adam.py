@@ -121,3 +121,46 @@ def test_with_torch_threads_chunks_run_in_order_and_still_match():
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(p, ref_p)
+
+
+def test_device_states_use_the_fused_kernel_only_on_cuda(monkeypatch):
+    """The fused kernel is chosen for CUDA devices alone; on any other device the update is the plain
+    adamw_ ops, bitwise, and the fused kernel is never called."""
+    import infinity.optim.cpu_adam as mod
+    from infinity.optim.cpu_adam import adamw_, device_adamw_, uses_fused_adamw
+
+    assert uses_fused_adamw(torch.device("cuda", 1)) and uses_fused_adamw("cuda")
+    assert not uses_fused_adamw("cpu") and not uses_fused_adamw("meta")
+    monkeypatch.setattr(mod, "_HAS_FUSED", False)
+    assert not uses_fused_adamw("cuda")   # a torch without the kernel: the plain ops there too
+    monkeypatch.undo()
+
+    torch.manual_seed(3)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    p1, grads = torch.randn(777), [torch.randn(777) for _ in range(3)]
+    m1, v1 = torch.zeros(777), torch.zeros(777)
+    p2, m2, v2 = p1.clone(), m1.clone(), v1.clone()
+    fused_calls = []
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused_calls.append(1))
+    for step, g in enumerate(grads, start=1):
+        device_adamw_(p1, g, m1, v1, step=step, **kw)
+        adamw_(p2, g, m2, v2, step=step, **kw)
+    assert not fused_calls
+    assert torch.equal(p1, p2) and torch.equal(m1, m2) and torch.equal(v1, v2)
+
+
+def test_the_fused_branch_is_torchs_fused_adamw(monkeypatch):
+    """Run on CPU tensors (torch has a CPU build of the same kernel), the CUDA branch's call of the
+    fused kernel (step count on the states' device, incremented first) gives torch.optim.AdamW(fused=True)."""
+    import infinity.optim.cpu_adam as mod
+    from infinity.optim.cpu_adam import device_adamw_
+
+    monkeypatch.setattr(mod, "uses_fused_adamw", lambda device: True)
+    torch.manual_seed(4)
+    param, grads = torch.randn(3 * 4096 + 17), [torch.randn(3 * 4096 + 17) for _ in range(3)]
+    want_p, want_m, want_v = _torch_adamw(param, grads, fused=True)
+    p, m, v = param.clone(), torch.zeros_like(param), torch.zeros_like(param)
+    for step, g in enumerate(grads, start=1):
+        device_adamw_(p, g, m, v, step=step, lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
+                      eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+    assert torch.equal(p, want_p) and torch.equal(m, want_m) and torch.equal(v, want_v)
