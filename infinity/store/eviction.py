@@ -50,6 +50,14 @@ class LRUPolicy(EvictionPolicy):
     same order each time), though for a strictly cyclic walk larger than the
     tier LRU evicts exactly the copy needed next; a trace-aware policy can
     replace it without touching the store.
+
+    The stage-3 device cache of parameter shards is not such a walk: a step
+    gathers units forward (1..N), then backward (N..1), then forward again, a
+    palindrome. There the least recently used copy is always the one whose next
+    use is farthest away (forward evicts the earliest units, which backward
+    reaches last; backward evicts the latest, which the next forward reaches
+    last), so LRU makes the choice a next-use-distance (Belady) policy would,
+    without a trace and without the store asking anyone above it.
     """
 
     def choose(self, candidates: list[Candidate], needed_bytes: int) -> list[Candidate]:

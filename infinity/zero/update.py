@@ -232,6 +232,8 @@ class ShardUpdate:
             "io_wait_s": now["wait_s"] - self._store_mark["wait_s"],
             # dirty host copies written home for room (gradients an overlapped update had not reached)
             "spills": now["spills"] - self._store_mark["spills"],
+            # cached copies dropped for room, per tier (device: stage-3 parameter copies under tiers.device_bytes)
+            "evictions": {t: n - self._store_mark["evictions"][t] for t, n in now["evictions"].items()},
             "adam_s": self.last_stats.get("adam_s", 0.0),
             "swap_in_wait_s": self.last_stats.get("swap_in_wait_s", 0.0),
             "swap_out_wait_s": self.last_stats.get("swap_out_wait_s", 0.0),
@@ -256,4 +258,4 @@ class ShardUpdate:
     def _store_counters(self) -> dict:
         s = self.store.stats()
         return {"moved": dict(s["moved_bytes"]), "wait_s": s["wait_s"], "peak": s["peak_bytes"],
-                "spills": s["spills"]["host"]}
+                "spills": s["spills"]["host"], "evictions": dict(s["evictions"])}

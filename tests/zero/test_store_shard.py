@@ -74,3 +74,47 @@ def test_a_host_homed_first_gradient_replaces_the_shard_without_reading_it(store
         store.wait(write)
     assert torch.equal(shard.read(TensorClass.GRAD), reduced)
     assert store.home(shard.keys(TensorClass.GRAD)[0]) is Tier.HOST
+
+
+def test_stage3_device_cache_evicts_under_its_budget_and_trains_the_same(tmp_path):
+    """Stage-3 parameter shards homed on the host are cached on the (CPU stand-in) device tier after each
+    gather; with a budget of two shards the cache evicts (counted per step), never holds more than the
+    budget, and training is bitwise the run whose cache holds every shard."""
+    import infinity
+    from infinity.models import GPT, GPTConfig
+
+    def run(path, device_bytes):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=16))
+        config = {"zero": {"stage": 3}, "offload": {"params": "host", "grads": "host", "optimizer": "host"},
+                  "tiers": {"host_bytes": "64MiB", "device_bytes": device_bytes, "nvme_path": str(path)},
+                  "optimizer": {"lr": 1e-2, "threads": 1}, "prefetch": {"bytes": 0}}
+        model, opt = infinity.initialize(model, config)
+        engine = infinity.engine_of(model)
+        try:
+            losses, evictions = [], []
+            for step in range(3):
+                ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(step))
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                evictions.append(engine.stats.last_step["offload"]["evictions"]["device"])
+            shard_bytes = max(u.shard_numel for u in engine.units) * 4
+            stats = engine.store.stats()
+            with engine.gathered():
+                params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            return losses, params, evictions, stats, shard_bytes
+        finally:
+            engine.close()
+
+    ref_losses, ref_params, ref_evictions, ref_stats, shard_bytes = run(tmp_path / "roomy", "64MiB")
+    assert sum(ref_evictions) == 0
+    budget = 2 * shard_bytes
+    losses, params, evictions, stats, _ = run(tmp_path / "tight", budget)
+    assert stats["budget_bytes"]["device"] == budget and stats["peak_bytes"]["device"] <= budget
+    assert all(n > 0 for n in evictions), evictions   # every step's walk evicts
+    assert stats["evictions"]["device"] >= sum(evictions)   # (initialize's placing may evict too)
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], p) for n, p in ref_params.items())
