@@ -11,7 +11,9 @@ and exits 0 when ``ok``:
   the pinned bytes, the host budget, the device peak and the device budget the run ended with.
 - ``race``: copies that would read stale bytes if an ordering wait were missing. The producing
   stream and the copy streams are delayed with ``torch.cuda._sleep``, and the results must be
-  bitwise equal to the undelayed ones: at the copier, and for whole offloaded training steps.
+  bitwise equal to the undelayed ones: at the copier, for gradient folds into stored shards (the
+  device->host copy on the side stream, claimed or staged), and for whole offloaded training steps
+  (gradients on host; and on NVMe with two micro-batches, so accumulation folds run too).
 - ``profile``: one offloaded step under ``torch.profiler``; from its trace, how much of the
   host<->device copy time overlapped kernels (``copy_overlap``).
 
@@ -70,9 +72,10 @@ def batch(step: int, batch_size: int, seq_len: int, vocab: int) -> torch.Tensor:
 
 
 def train(model_name: str, conf: dict, steps: int, batch_size: int, seq_len: int, seed: int = 0,
-          params: bool = False, around_step=None) -> dict:
+          params: bool = False, around_step=None, micro_batches: int = 1) -> dict:
     """``steps`` steps of the built-in GPT ``model_name``; losses, stats, memory report (and final params).
-    ``around_step(step)``: a context manager entered around each step (the race's delays, the profiler)."""
+    ``around_step(step)``: a context manager entered around each step (the race's delays, the profiler).
+    ``micro_batches``: backwards per step (gradient accumulation); the loss recorded is the last one's."""
     import infinity
     from infinity.models import GPT, gpt_config
 
@@ -84,11 +87,12 @@ def train(model_name: str, conf: dict, steps: int, batch_size: int, seq_len: int
     losses, step_s = [], []
     try:
         for step in range(steps):
-            ids = batch(step, batch_size, seq_len, cfg.vocab_size).to(engine.device)
             t0 = time.perf_counter()
             with around_step(step) if around_step is not None else contextlib.nullcontext():
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
+                for micro in range(micro_batches):
+                    ids = batch(step * micro_batches + micro, batch_size, seq_len, cfg.vocab_size).to(engine.device)
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
                 opt.step()
                 opt.zero_grad()
             losses.append(loss.item())
@@ -231,13 +235,18 @@ def delayed_streams(step: int = 0, cycles: int = SLEEP_CYCLES):
 
     def slow_forward(module, args):
         torch.cuda._sleep(cycles)           # on the compute stream, before the module's kernels
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(slow_forward)
+
+    def slow_backward(module, grad_output):
+        torch.cuda._sleep(cycles)           # before the module's gradient kernels: the folds' producers
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(slow_forward),
+               torch.nn.modules.module.register_module_full_backward_pre_hook(slow_backward)]
     CopyLane._copy = slow_copy
     try:
         yield
     finally:
         CopyLane._copy = original
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def copier_race(device: torch.device, rounds: int = 32, numel: int = 1 << 20) -> dict:
@@ -268,6 +277,38 @@ def copier_race(device: torch.device, rounds: int = 32, numel: int = 1 << 20) ->
             "ok": stale_d2h == 0 and stale_h2d == 0}
 
 
+def grad_fold_race(device: torch.device, tmp: str, rounds: int = 8, numel: int = 1 << 20) -> dict:
+    """Fold gradients produced behind a sleep on the compute stream into stored shards (NVMe- and
+    host-homed, two chunks): the side-stream copy must follow the producer, for first gradients
+    (claimed) and accumulations (staged) alike."""
+    from infinity.config import IOConfig, TiersConfig
+    from infinity.store import TensorStore, Tier
+    from infinity.zero.placement import Placement
+    from infinity.zero.store_shard import LentCopies, StoreUnitShard
+    from infinity.zero.units import TensorClass
+
+    stale = {}
+    store = TensorStore(TiersConfig(device_bytes=64 << 20, host_bytes=64 << 20, nvme_path=tmp), IOConfig(),
+                        device=device)
+    try:
+        for index, home in enumerate((Tier.NVME, Tier.HOST)):
+            placement = Placement(params=None, grads=home, optimizer=None, chunk_bytes=1 << 30)
+            shard = StoreUnitShard(store, index, placement, LentCopies(store), [(0, numel // 2), (numel // 2, numel)])
+            shard.put_zeros(TensorClass.GRAD, numel, torch.float32, device)
+            stale[home.value] = 0
+            for k in range(rounds):
+                reduced = torch.empty(numel, device=device)
+                torch.cuda._sleep(SLEEP_CYCLES)
+                reduced.fill_(float(k + 1))   # queued behind the sleep on the compute stream
+                shard.fold_grad(reduced, first=k % 4 == 0).result()
+                want = float(sum(range(k - k % 4 + 1, k + 2)))
+                stale[home.value] += int(not torch.equal(shard.read(TensorClass.GRAD), torch.full((numel,), want)))
+            shard.release()
+    finally:
+        store.close()
+    return {"rounds": rounds, "stale_folds": stale, "ok": not any(stale.values())}
+
+
 def race(out_dir: Path, steps: int = 3) -> dict:
     device = compute_device()
     if device.type != "cuda":
@@ -275,17 +316,26 @@ def race(out_dir: Path, steps: int = 3) -> dict:
     # warn, not raise, for an op without a deterministic kernel: the repeat run below tells if one ran
     torch.use_deterministic_algorithms(True, warn_only=True)
     copies = copier_race(device)
+
+    def same(a, b):
+        return a["losses"] == b["losses"] and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
     with _scratch() as tmp:
+        folds = grad_fold_race(device, tmp)
         conf = offload_config(tmp, host_bytes="64MiB", device_bytes="16MiB")
         plain = train("tiny", conf, steps, 4, 64, params=True)
         again = train("tiny", conf, steps, 4, 64, params=True)
         slow = train("tiny", conf, steps, 4, 64, params=True, around_step=delayed_streams)
-
-    def same(a, b):
-        return a["losses"] == b["losses"] and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
-    deterministic, bitwise = same(plain, again), same(plain, slow)
-    out = {"copier": copies, "repeat_bitwise_equal": deterministic, "training_bitwise_equal": bitwise,
-           "losses": plain["losses"], "delayed_losses": slow["losses"], "ok": copies["ok"] and deterministic and bitwise}
+        # gradients on NVMe, two micro-batches: first gradients claimed, accumulations staged, both off-stream
+        nvme = dict(conf, offload=dict(conf["offload"], grads="nvme"))
+        accum = [train("tiny", nvme, 2, 4, 64, params=True, micro_batches=2, around_step=around)
+                 for around in (None, None, delayed_streams)]
+    deterministic, bitwise = same(plain, again) and same(accum[0], accum[1]), same(plain, slow)
+    accum_bitwise = same(accum[0], accum[2])
+    out = {"copier": copies, "grad_folds": folds, "repeat_bitwise_equal": deterministic,
+           "training_bitwise_equal": bitwise, "accumulation_bitwise_equal": accum_bitwise,
+           "losses": plain["losses"], "delayed_losses": slow["losses"],
+           "ok": copies["ok"] and folds["ok"] and deterministic and bitwise and accum_bitwise}
     if not deterministic:
         out["error"] = ("two undelayed runs differ: some kernel here is not deterministic, so the delayed run "
                         "cannot be compared bitwise (see the run's warnings)")

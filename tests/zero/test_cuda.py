@@ -68,3 +68,39 @@ def test_offloaded_matches_in_memory_on_cuda(tmp_path, in_memory, stage, offload
         assert diff <= 1e-4, f"{name}: max abs diff {diff}"
     if offload["optimizer"] != "none":
         assert got["pinned"], "host copies of offloaded states must be page-locked on CUDA"
+
+
+@pytest.mark.parametrize("grads", ("nvme", "host"))
+def test_gradient_folds_leave_a_delayed_stream_with_its_bytes(tmp_path, grads):
+    """A gradient produced behind a sleep on the compute stream is folded into a stored shard without
+    waiting: the device->host copy (claimed or staged, on the copier's side stream) must follow the
+    producer, so every first gradient and every accumulated sum equals what the device holds."""
+    from infinity.config import IOConfig, TiersConfig
+    from infinity.store import TensorStore, Tier
+    from infinity.zero.placement import Placement
+    from infinity.zero.store_shard import LentCopies, StoreUnitShard
+    from infinity.zero.units import TensorClass
+
+    numel = 1 << 20
+    device = torch.device("cuda", torch.cuda.current_device())
+    store = TensorStore(TiersConfig(device_bytes=64 << 20, host_bytes=64 << 20, nvme_path=str(tmp_path)),
+                        IOConfig(), device=device)
+    try:
+        placement = Placement(params=None, grads=Tier.NVME if grads == "nvme" else Tier.HOST, optimizer=None,
+                              chunk_bytes=1 << 30)
+        shard = StoreUnitShard(store, 0, placement, LentCopies(store), [(0, numel // 2), (numel // 2, numel)])
+        shard.put_zeros(TensorClass.GRAD, numel, torch.float32, device)
+        stale = 0
+        for k in range(8):
+            first = k % 4 == 0
+            reduced = torch.empty(numel, device=device)
+            torch.cuda._sleep(2_000_000)
+            reduced.fill_(float(k + 1))                   # queued behind the sleep on the compute stream
+            write = shard.fold_grad(reduced, first)       # returns before the bytes have left
+            write.result()
+            want = sum(float(j + 1) for j in range(k - k % 4, k + 1))
+            stale += int(not torch.equal(shard.read(TensorClass.GRAD), torch.full((numel,), want)))
+        assert stale == 0, f"{stale} folds read the gradient before its producer had written it"
+        shard.release()
+    finally:
+        store.close()
