@@ -35,11 +35,13 @@ import torch
 
 from infinity.store import BudgetError
 
-__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS"]
+__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
 
 # Staging buffers for accumulation folds in flight at once: one being copied while the one before
 # is folded; more would only hold host memory while the same copy lane drains them in order.
 STAGING_BUFFERS = 2
+# First gradients whose copy may be in flight at once (each holds its device source until it lands).
+CLAIMS_IN_FLIGHT = 8
 
 
 class PendingFold:
@@ -106,16 +108,23 @@ def all_folds(folds: list):
 
 
 class FoldStaging:
-    """Host staging buffers for accumulation folds, at most ``max_buffers`` at once, from ``store``'s host
-    scratch (pinned on CUDA, counted against the host tier). ``peak_buffers`` / ``peak_bytes``: the most
-    held at once; ``waits``: folds that had to finish an older one first to get a buffer."""
+    """The folds in flight of one rank, oldest first, and the bounds on them.
 
-    def __init__(self, store, max_buffers: int = STAGING_BUFFERS):
-        if max_buffers < 1:
-            raise ValueError(f"FoldStaging: max_buffers must be >= 1, got {max_buffers}")
-        self.store, self.max_buffers = store, max_buffers
-        self._holders: collections.deque = collections.deque()   # PendingFolds that took a buffer, oldest first
+    ``max_buffers`` staging buffers for accumulations at once, from ``store``'s host scratch (pinned on
+    CUDA, counted against the host tier); ``max_claims`` first gradients whose copy may still be in
+    flight, each of which keeps its device source (a reduce-scatter's output) alive until it lands, so
+    this bounds the device memory that copies behind the compute stream hold. A fold past a bound
+    first finishes the oldest one. ``peak_buffers`` / ``peak_bytes``: the most staging held at once;
+    ``waits``: folds that had to finish an older one first."""
+
+    def __init__(self, store, max_buffers: int = STAGING_BUFFERS, max_claims: int = CLAIMS_IN_FLIGHT):
+        if max_buffers < 1 or max_claims < 1:
+            raise ValueError(f"FoldStaging: max_buffers and max_claims must be >= 1, got {max_buffers}, {max_claims}")
+        self.store, self.max_buffers, self.max_claims = store, max_buffers, max_claims
+        self._holders: collections.deque = collections.deque()   # PendingFolds in flight, oldest first
         self.held_buffers = 0
+        self.claims_in_flight = 0
+        self.peak_claims = 0
         self._held_bytes = 0
         self.peak_buffers = 0
         self.peak_bytes = 0
@@ -126,12 +135,7 @@ class FoldStaging:
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then ``cleanup()``, then the
         buffer goes back. ``room(attempt)`` wraps the claim of the buffer (it may wait for host room)."""
         room = room or (lambda attempt: attempt())
-        self._prune()
-        while self._holders and self._holders[0].done():
-            self._retire()
-        while self.held_buffers >= self.max_buffers:
-            self.waits += 1
-            self._retire()
+        self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
         buf = self.with_room(lambda: room(lambda: self.store.host_scratch(nbytes)))
         staged = buf[:nbytes].view(src.dtype).view(src.shape)
@@ -156,17 +160,30 @@ class FoldStaging:
         self._holders.append(fold)
         return fold
 
-    def track(self, fold: PendingFold) -> PendingFold:
-        """Count a fold that holds host room but no staging buffer (a claimed first gradient, written
-        home only when finished) among those :meth:`with_room` may finish to make room."""
-        self._prune()
+    def claim(self, attempt, finish=None, room=None) -> PendingFold:
+        """A first gradient's fold: ``attempt()`` claims its host copy from the device tensor (a store
+        future, done once landed; ``room`` wraps it), ``finish()`` runs once it has landed. Ordered: the
+        claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
+        room = room or (lambda attempt: attempt())
+        self._make_way(lambda: self.claims_in_flight >= self.max_claims)
+        claimed = self.with_room(lambda: room(attempt))
+        self.claims_in_flight += 1
+        self.peak_claims = max(self.peak_claims, self.claims_in_flight)
+
+        def landed() -> None:
+            self.claims_in_flight -= 1
+
+        fold = PendingFold([claimed], finish=finish, cleanup=landed, ordered=True)
         self._holders.append(fold)
         return fold
 
-    def _prune(self) -> None:
-        """Forget folds finished elsewhere (the step's wait, or the reducer settling landed ones)."""
-        if any(f.finished for f in self._holders):
-            self._holders = collections.deque(f for f in self._holders if not f.finished)
+    def _make_way(self, over_bound) -> None:
+        """Retire the folds at the head that have landed (no wait), then the oldest while ``over_bound()``."""
+        while self._holders and self._holders[0].done():
+            self._retire()
+        while self._holders and over_bound():
+            self.waits += 1
+            self._retire()
 
     def with_room(self, attempt):
         """``attempt()`` (a store call for host room); refused for room (BudgetError) while folds in flight
@@ -194,10 +211,12 @@ class FoldStaging:
         self.store.release_scratch(buf)
 
     def drain(self) -> None:
-        """Finish every fold still holding a buffer (the shards are going away)."""
+        """Finish every fold in flight (the shards are going away)."""
         while self._holders:
             self._retire()
 
     def stats(self) -> dict:
         return {"max_buffers": self.max_buffers, "held_buffers": self.held_buffers,
+                "max_claims": self.max_claims, "claims_in_flight": self.claims_in_flight,
+                "peak_claims": self.peak_claims,
                 "peak_buffers": self.peak_buffers, "peak_bytes": self.peak_bytes, "waits": self.waits}

@@ -87,7 +87,8 @@ class GradReducer:
         self.buckets: list = []
         self._bucket_of: dict = {}
         self._inflight: collections.deque = collections.deque()
-        self.writes: list = []              # pending folds / store futures, waited on before reading
+        self.writes: collections.deque = collections.deque()   # pending folds / store futures, in fold order
+        self._failed_writes: list = []      # settled early but failed: raised by wait_writes
         self._unit_writes: dict = {}        # unit index -> its last fold's pending write (take_folded)
         self._inf_flags: dict = {}          # fp16: device -> count of non-finite folded shards, kept there
         self.flag_reads = 0                 # device->host reads of the overflow flag or the clip norm
@@ -228,18 +229,15 @@ class GradReducer:
         return max(peak, self._buffer_peak_bytes)
 
     def _settle_landed_writes(self) -> None:
-        """Finish pending folds whose copies have landed (frees their staging and pins early); a failure
-        stays pending, for :meth:`wait_writes` to raise."""
-        waiting = []
-        for w in self.writes:
-            if not w.done():
-                waiting.append(w)
-                continue
+        """Finish the oldest pending folds whose copies have landed (frees their staging and pins, starts
+        their writes home early); copies land in fold order, so this stops at the first one still in
+        flight. A failure is kept for :meth:`wait_writes` to raise."""
+        while self.writes and self.writes[0].done():
+            w = self.writes.popleft()
             try:
                 w.result()
             except BaseException:   # noqa: BLE001 - raised where the step waits
-                waiting.append(w)
-        self.writes = waiting
+                self._failed_writes.append(w)
 
     def _note_non_finite(self, grad: torch.Tensor) -> None:
         """Count a non-finite shard into the flag on ``grad``'s device: no device->host read here."""
@@ -354,8 +352,8 @@ class GradReducer:
 
     def wait_writes(self, raise_errors: bool = True) -> None:
         """Wait for folded gradients still being written; a failed write is raised here."""
-        writes, self.writes = self.writes, []
-        self._unit_writes = {}
+        writes = [*self._failed_writes, *self.writes]
+        self.writes, self._failed_writes, self._unit_writes = collections.deque(), [], {}
         for f in writes:
             try:
                 f.result()

@@ -320,10 +320,8 @@ class StoreUnitShard(UnitShard):
 
     def _fold_first(self, key: str, part: torch.Tensor, room) -> PendingFold:
         """The chunk's host copy claimed from ``part`` (its stale bytes never read); home once landed."""
-        claimed = self.staging.with_room(lambda: room(lambda: self.store.claim(key, Tier.HOST, src=part)))
         write_home = None if self.placement.defer_grad_writes else (lambda: self.store.write_back(key))
-        # ordered: the claim holds the key busy until the bytes have landed, so readers wait for them
-        return self.staging.track(PendingFold([claimed], finish=write_home, ordered=True))
+        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part), write_home, room)
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""

@@ -188,13 +188,14 @@ def test_fp16_overflow_flag_is_read_once_per_step_not_per_unit(tmp_path, stored,
         copier.close()
 
 
-def test_staging_buffers_stay_within_their_bound(tmp_path):
+def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path):
     """Accumulating a four-chunk shard with slow copies needs four staging buffers at once, the bound is
-    two: folds finish older ones to stay within it, host scratch never exceeds two chunks, sums exact."""
+    two: folds finish older ones to stay within it, host scratch never exceeds two chunks, sums exact.
+    Likewise first gradients: at most three claims (each holding its device source) in flight."""
     copier = GatedCopier(delay_s=0.02)
     store = _store(tmp_path, copier)
     try:
-        staging = FoldStaging(store, max_buffers=2)
+        staging = FoldStaging(store, max_buffers=2, max_claims=3)
         shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), QUARTERS, staging=staging)
                   for i in range(2)]
         parts = _grads(3, seed=4)
@@ -207,14 +208,14 @@ def test_staging_buffers_stay_within_their_bound(tmp_path):
         for w in writes:
             w.result()
         chunk_bytes = NUMEL // 4 * 4
-        assert staging.peak_buffers == 2 and staging.waits > 0, staging.stats()
+        assert staging.peak_buffers == 2 and staging.peak_claims == 3 and staging.waits > 0, staging.stats()
         assert staging.peak_bytes <= 2 * chunk_bytes
         assert store.stats()["scratch_peak_bytes"] <= 2 * chunk_bytes and store.stats()["scratch_bytes"] == 0
         want = (parts[0] + parts[1]) + parts[2]
         for shard in shards:
             assert torch.equal(shard.read(TensorClass.GRAD), want)
-        assert staging.held_buffers == 0
-        with pytest.raises(ValueError, match="max_buffers must be >= 1"):
+        assert staging.held_buffers == 0 and staging.claims_in_flight == 0
+        with pytest.raises(ValueError, match="must be >= 1"):
             FoldStaging(store, max_buffers=0)
     finally:
         store.close()
