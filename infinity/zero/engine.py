@@ -505,7 +505,7 @@ class ZeroEngine:
             return
         self._closed = True
         errors = []
-        for part in filter(None, (self._remove_hooks, getattr(self, "_finalizer", None))):
+        for part in filter(None, (self._remove_hooks, self._finish_folds, getattr(self, "_finalizer", None))):
             try:
                 part()
             except BaseException as e:   # noqa: BLE001 - the rest must still close
@@ -518,6 +518,13 @@ class ZeroEngine:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def _finish_folds(self) -> None:
+        """Folds whose copies may still be in flight land (and give their staging back) before the store
+        closes; an error of theirs is not this close's to raise."""
+        grads = getattr(self, "grads", None)
+        if grads is not None:
+            grads.wait_writes(raise_errors=False)
 
     def _remove_hooks(self) -> None:
         for h in self._handles:

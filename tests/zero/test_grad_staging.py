@@ -154,7 +154,8 @@ def test_the_step_waits_for_every_gradient_copy_before_it_reads(tmp_path):
 @pytest.mark.parametrize("stored", (False, True))
 def test_fp16_overflow_flag_is_read_once_per_step_not_per_unit(tmp_path, stored, monkeypatch):
     """No ``.item()`` / ``.cpu()`` while backward folds the units (a device sync each, on CUDA); the flag
-    summed on the gradients' device is read once, in finish(), and still sees an overflow."""
+    summed on the gradients' device is read once, in finish(), and still sees an overflow; the clip
+    norm is read once too."""
     copier = GatedCopier()
     store = _store(tmp_path, copier)
     try:
@@ -182,6 +183,9 @@ def test_fp16_overflow_flag_is_read_once_per_step_not_per_unit(tmp_path, stored,
             before = r.flag_reads
             assert r.finish(1024.0) is (not finite)
             assert r.flag_reads == before + 1   # one read of the all-reduced flag per step
+            if finite:
+                r.clip(1e9)
+                assert r.flag_reads == before + 2   # and one of the clip norm, whatever the unit count
             r.zero()
     finally:
         store.close()
