@@ -112,7 +112,9 @@ class TransferRunner:
                 rec.move(dst, _R.RESIDENT, op.kind)
                 rec.copies[dst].version = op.version
                 self._touch(rec.copies[dst])
-                if op.kind != "claim":   # a claim moves nothing: its copy is zero-filled in place
+                # a claim moves nothing between tiers: its copy is zero-filled in place, or filled from the
+                # caller's tensor (a gradient leaving the device; uncounted, as the caller's own copy was)
+                if op.kind != "claim":
                     self._moved_bytes[f"{src.value if src else 'caller'}->{dst.value}"] += rec.nbytes
             if more:
                 # In one locked step, so no get() can grab the copy between landing and leaving.

@@ -848,3 +848,48 @@ def test_claim_refuses_nvme_and_slower_than_home(store):
     store.register("r", torch.zeros(10), home=Tier.HOST).result()
     with pytest.raises(StoreError, match="claim refused.*no slower than home"):
         store.claim("r", Tier.NVME)
+
+
+def test_a_claim_from_a_source_tensor_holds_its_key_until_the_copy_lands(tmp_path):
+    """claim(src=...) copies on the copier's lane, off the caller's thread: it returns before the bytes
+    land, every other operation on the key waits for them, and a source of another shape is refused."""
+    from gated_copier import GatedCopier
+
+    copier = GatedCopier(open_gate=False)
+    s = make(tmp_path, copier=copier)
+    try:
+        s.register("g", (8,), dtype=torch.float32).result()
+        with pytest.raises(StoreError, match=r"src is \(4,\) torch.float32, the key \(8,\)"):
+            s.claim("g", Tier.HOST, src=torch.ones(4))
+        claimed = s.claim("g", Tier.HOST, src=torch.arange(8.0))
+        assert not claimed.done()
+        with cf.ThreadPoolExecutor(1) as pool:
+            reader = pool.submit(lambda: s.bring("g", Tier.HOST).result(timeout=10).clone())
+            with pytest.raises(cf.TimeoutError):
+                reader.result(timeout=0.2)   # the key is busy until the claimed bytes have landed
+            copier.gate.set()
+            assert torch.equal(reader.result(timeout=10), torch.arange(8.0))
+        assert torch.equal(claimed.result(timeout=10), torch.arange(8.0)) and s.is_dirty("g")
+    finally:
+        s.close()
+        copier.close()
+
+
+def test_host_scratch_is_counted_in_the_host_budget_and_made_room_for(tmp_path):
+    """A scratch buffer reserves host-tier bytes like a key's copy: a clean cached copy is evicted for
+    it, pinned copies are not (BudgetError), and giving it back frees the bytes."""
+    s = make(tmp_path, host_bytes=8 * KiB)
+    try:
+        s.register("a", torch.zeros(1024)).result()   # NVMe home, 4 KiB host copy cached (clean)
+        s.register("b", torch.zeros(1024)).result()
+        buf = s.host_scratch(4 * KiB)
+        st_ = s.stats()
+        assert st_["scratch_bytes"] == 4 * KiB and st_["tier_bytes"]["host"] == 8 * KiB
+        assert st_["evictions"]["host"] == 1
+        with s.use("b", Tier.HOST):
+            with pytest.raises(BudgetError, match="host tier"):
+                s.host_scratch(4 * KiB)
+        s.release_scratch(buf)
+        assert s.stats()["scratch_bytes"] == 0 and s.stats()["scratch_peak_bytes"] == 4 * KiB
+    finally:
+        s.close()
