@@ -69,3 +69,27 @@ def test_what_no_unit_holds_follows_the_shards_to_the_device():
     for u in units:
         for p in u.params:
             assert p.data_ptr() == unit_ptrs[id(p)] and p.device.type == "cpu"
+
+
+def test_the_device_budget_is_measured_before_any_unit_is_placed(monkeypatch, tmp_path):
+    """The engine resolves its budgets (``auto``: ``torch.cuda.mem_get_info`` on a GPU) while every
+    parameter still has the storage it was built with: no unit's flat buffer exists yet."""
+    import infinity
+    from infinity.zero import engine as engine_module
+
+    model = Blocks()
+    built = {n: p.data_ptr() for n, p in model.named_parameters()}
+    seen = []
+    real = engine_module.resolve_budgets
+
+    def spy(tiers, device, headroom=None):
+        seen.append({n: p.data_ptr() for n, p in model.named_parameters()} == built)
+        return real(tiers, device, headroom)
+
+    monkeypatch.setattr(engine_module, "resolve_budgets", spy)
+    config = {"zero": {"stage": 3}, "offload": {"params": "host", "optimizer": "host"},
+              "tiers": {"nvme_path": str(tmp_path), "host_bytes": "16MiB", "device_bytes": "16MiB"}}
+    model, _ = infinity.initialize(model, config)
+    infinity.engine_of(model).close()
+    assert seen == [True]
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} != built   # and then it was sharded
