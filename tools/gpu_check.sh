@@ -3,10 +3,11 @@
 # output directory ($1, else $OUT, else ./gpu_check_out); summary.json lists every stage's outcome.
 #   1. smoke    (60 s): imports, one pinned round trip, one NCCL world-size-1 all-reduce, one offloaded
 #                       step against the in-memory engine's
-#   2. cuda_tests (150 s): pytest -m cuda (every CUDA test carries the marker; tests/test_markers.py)
+#   2. cuda_tests (135 s): pytest -m cuda (every CUDA test carries the marker; tests/test_markers.py)
 #   3. loss     (120 s): offloaded 125M run (auto budgets) against the in-memory run, loss by loss, with
 #                       pinned bytes vs host budget and device peak vs device budget
-#   4. race      (60 s): producing and copy streams delayed with torch.cuda._sleep; results bitwise equal
+#   4. race      (75 s): producing and copy streams delayed with torch.cuda._sleep; results bitwise equal
+#                       (copier, gradient folds, training with host and NVMe gradients, accumulation)
 #   5. profile   (60 s): one offloaded step under torch.profiler: do copies overlap kernels?
 # Stage limits add to 450 s (7.5 min), well inside a 15-minute device session with room to rerun one
 # stage: `tools/gpu_check.sh DIR STAGE...` runs only the named stages.
@@ -26,7 +27,7 @@ summary=()
 
 limit_of() {   # the stage's timeout in seconds
     case $1 in
-        smoke) echo 60 ;; cuda_tests) echo 150 ;; loss) echo 120 ;; race) echo 60 ;; profile) echo 60 ;;
+        smoke) echo 60 ;; cuda_tests) echo 135 ;; loss) echo 120 ;; race) echo 75 ;; profile) echo 60 ;;
         *) echo 0 ;;
     esac
 }
