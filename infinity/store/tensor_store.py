@@ -167,7 +167,7 @@ class TensorStore(TransferRunner):
         return self._issue(key, "bring", plan)
 
     def claim(self, key: str, tier: Tier | str, pin: bool = False, src: torch.Tensor | None = None,
-              owner=None) -> cf.Future:
+              write_home: bool = False, owner=None) -> cf.Future:
         """A working copy of ``key`` in ``tier`` for a caller that will overwrite all of it.
 
         Unlike :meth:`bring`, the old contents are not read: an optimizer producing a new
@@ -182,9 +182,13 @@ class TensorStore(TransferRunner):
         kernels the caller has queued so far), off the caller's thread: a gradient leaves the device
         without draining its stream. The key is busy until the bytes have landed (any other operation
         on it waits for them), and the caller must leave ``src`` unchanged until the future is done.
+        With ``write_home`` as well, the same operation then writes the new bytes home (the key stays
+        busy until they are there, and the claimed copy is left clean, so evictable).
         """
         tier = Tier.parse(tier)
         owner = _owner(owner)
+        if write_home and src is None:
+            raise StoreError(f"claim {key!r}: write_home needs src (a zero-filled copy is not worth writing)")
         if src is not None:
             src = src.detach()
 
@@ -202,10 +206,10 @@ class TensorStore(TransferRunner):
                     copy.pin(owner)
                 self._touch(copy)
                 return _done(copy.tensor)   # already current: nothing to discard or read
-            if self._targets_pinned(rec, [(None, tier)], "claim", owner):
+            hops = [(None, tier)] + (self._path(tier, rec.home) if write_home else [])
+            if self._targets_pinned(rec, hops, "claim", owner):
                 return None
-            op = Transfer("claim", tier, [(None, tier)], version=rec.latest + 1, init=src,
-                          copy_async=src is not None)
+            op = Transfer("claim", tier, hops, version=rec.latest + 1, init=src, copy_async=src is not None)
             op.pins_on_done = [owner] if pin else []
             return op
         return self._issue(key, "claim", plan)

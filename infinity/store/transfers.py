@@ -112,9 +112,10 @@ class TransferRunner:
                 rec.move(dst, _R.RESIDENT, op.kind)
                 rec.copies[dst].version = op.version
                 self._touch(rec.copies[dst])
-                # a claim moves nothing between tiers: its copy is zero-filled in place, or filled from the
-                # caller's tensor (a gradient leaving the device; uncounted, as the caller's own copy was)
-                if op.kind != "claim":
+                # a claim's first hop moves nothing between tiers: its copy is zero-filled in place, or
+                # filled from the caller's tensor (a gradient leaving the device; uncounted, as the
+                # caller's own copy was); a write home after it is counted like any
+                if op.kind != "claim" or src is not None:
                     self._moved_bytes[f"{src.value if src else 'caller'}->{dst.value}"] += rec.nbytes
             if more:
                 # In one locked step, so no get() can grab the copy between landing and leaving.

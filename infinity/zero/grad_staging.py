@@ -23,7 +23,10 @@ bytes of the host fold and a device buffer of each shard's size, to save one
 host ``add_`` of a shard, which CPU memory bandwidth does far faster than the
 copy itself. The price is staging memory: :class:`FoldStaging` holds at most
 ``max_buffers`` staging buffers (host scratch counted against the host tier),
-and a fold that would need one more first finishes the oldest.
+and a fold that would need one more first finishes the oldest. Where the host
+tier has no room for even one (a budget at its minimum, which holds the homes
+and one optimizer job, not staging), the fold is done the blocking way,
+counted in ``blocking_folds``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ __all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS", "CLAIMS
 # is folded; more would only hold host memory while the same copy lane drains them in order.
 STAGING_BUFFERS = 2
 # First gradients whose copy may be in flight at once (each holds its device source until it lands).
+# A claim that also writes home is in flight until the write is done, so this keeps at most that many
+# gradient writes queued too: about the I/O engine's queue depth, more would only wait there.
 CLAIMS_IN_FLIGHT = 8
 
 
@@ -125,6 +130,7 @@ class FoldStaging:
         self.held_buffers = 0
         self.claims_in_flight = 0
         self.peak_claims = 0
+        self.blocking_folds = 0   # accumulations summed the blocking way: no host room for staging
         self._held_bytes = 0
         self.peak_buffers = 0
         self.peak_bytes = 0
@@ -162,7 +168,7 @@ class FoldStaging:
 
     def claim(self, attempt, finish=None, room=None) -> PendingFold:
         """A first gradient's fold: ``attempt()`` claims its host copy from the device tensor (a store
-        future, done once landed; ``room`` wraps it), ``finish()`` runs once it has landed. Ordered: the
+        future, done once landed, or written home too; ``room`` wraps it), ``finish()`` runs after. Ordered: the
         claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
         room = room or (lambda attempt: attempt())
         self._make_way(lambda: self.claims_in_flight >= self.max_claims)
@@ -218,5 +224,5 @@ class FoldStaging:
     def stats(self) -> dict:
         return {"max_buffers": self.max_buffers, "held_buffers": self.held_buffers,
                 "max_claims": self.max_claims, "claims_in_flight": self.claims_in_flight,
-                "peak_claims": self.peak_claims,
+                "peak_claims": self.peak_claims, "blocking_folds": self.blocking_folds,
                 "peak_buffers": self.peak_buffers, "peak_bytes": self.peak_bytes, "waits": self.waits}

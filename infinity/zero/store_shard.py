@@ -319,11 +319,14 @@ class StoreUnitShard(UnitShard):
         return self._pending_fold
 
     def _fold_first(self, key: str, part: torch.Tensor, room) -> PendingFold:
-        """The chunk's host copy claimed from ``part`` (its stale bytes never read); home once landed."""
-        write_home = None if self.placement.defer_grad_writes else (lambda: self.store.write_back(key))
-        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part), write_home, room)
+        """The chunk's host copy claimed from ``part`` (its stale bytes never read) and, unless deferred,
+        written home by the same store operation as soon as it has landed (so it never sits dirty,
+        holding host room no eviction can take, until someone waits for it)."""
+        write_home = not self.placement.defer_grad_writes
+        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home),
+                                  room=room)
 
-    def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold:
+    def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
         owner = ("fold", self.unit_index, chunk)
         brought = self.staging.with_room(lambda: room(lambda: self.store.bring(key, Tier.HOST, pin=True,
@@ -344,6 +347,15 @@ class StoreUnitShard(UnitShard):
 
         try:
             return self.staging.stage(part, finish, cleanup=unpin, after=[brought], room=room)
+        except BudgetError:
+            # no host room for a staging buffer, and no fold in flight to free some (a host budget at
+            # its minimum: the homes and one optimizer job): this one is summed the blocking way
+            self.staging.blocking_folds += 1
+            try:
+                finish(part.to(brought.result().device))
+            finally:
+                unpin()
+            return None
         except BaseException:
             cf.wait([brought])
             unpin()

@@ -870,6 +870,13 @@ def test_a_claim_from_a_source_tensor_holds_its_key_until_the_copy_lands(tmp_pat
             copier.gate.set()
             assert torch.equal(reader.result(timeout=10), torch.arange(8.0))
         assert torch.equal(claimed.result(timeout=10), torch.arange(8.0)) and s.is_dirty("g")
+        # with write_home the same operation writes the bytes home: the key ends clean, its copy evictable
+        s.claim("g", Tier.HOST, src=torch.full((8,), 2.0), write_home=True).result(timeout=10)
+        assert not s.is_dirty("g")
+        s.evict("g", Tier.HOST).result(timeout=10)
+        assert torch.equal(s.bring("g", Tier.HOST).result(timeout=10), torch.full((8,), 2.0))   # from disk
+        with pytest.raises(StoreError, match="write_home needs src"):
+            s.claim("g", Tier.HOST, write_home=True)
     finally:
         s.close()
         copier.close()

@@ -224,3 +224,23 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
     finally:
         store.close()
         copier.close()
+
+
+def test_an_accumulation_with_no_host_room_for_staging_is_summed_the_blocking_way(tmp_path):
+    """A host tier that holds the host-homed gradient and nothing more (a budget at its minimum) leaves
+    no room for a staging buffer: the fold sums in place, as before, and says so in the stats."""
+    copier = GatedCopier()
+    store = _store(tmp_path, copier, host_bytes=NUMEL * 4)
+    try:
+        shard = StoreUnitShard(store, 0, _placement("host"), LentCopies(store))
+        shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        a, b = _grads(2, seed=5)
+        for first, part in ((True, a), (False, b)):
+            write = shard.fold_grad(part.clone(), first)
+            if write is not None:
+                write.result()
+        assert shard.staging.blocking_folds == 1 and shard.staging.peak_buffers == 0
+        assert torch.equal(shard.read(TensorClass.GRAD), a + b)
+    finally:
+        store.close()
+        copier.close()
