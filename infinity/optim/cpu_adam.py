@@ -30,7 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["CpuAdamW", "adamw_", "default_adam_threads"]
+from infinity.optim.split_master import join_bf16_, round_bf16_, split_bf16_
+
+__all__ = ["CpuAdamW", "adamw_", "default_adam_threads", "write_param_"]
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # The fused kernel runs vector lanes over the body of a tensor and scalar code
@@ -38,6 +40,7 @@ _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # multiple of this keeps the vector/scalar split where a whole-tensor call puts
 # it, so chunked results stay bitwise equal to it.
 _CHUNK_ALIGN_NUMEL = 64
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)   # optimizer.moments: fp32 | bf16
 
 
 def default_adam_threads(local_ranks: int = 1) -> int:
@@ -54,7 +57,15 @@ class CpuAdamW:
 
     ``step_`` updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place, exactly
     like ``torch.optim.AdamW`` with ``fused=True`` (the same kernel), and writes
-    ``param`` converted to ``out.dtype`` into ``out`` when given.
+    ``param`` converted to ``out.dtype`` into ``out`` when given (bf16: rounded by
+    :func:`~infinity.optim.split_master.round_bf16_`, the rounding every master format shares).
+
+    A split master (``optimizer.master: remainder``): ``param`` is the int16 remainder and ``out`` the
+    bf16 parameter, read as well as written. Each chunk's fp32 master is joined from the two, updated,
+    and split back while in cache: bitwise the update of the fp32 master it represents.
+
+    bf16 moments (``optimizer.moments: bf16``): ``exp_avg`` / ``exp_avg_sq`` may be bf16; each chunk is
+    widened to fp32, updated by the same kernel and rounded back to nearest (even) while in cache.
     """
 
     def __init__(self, threads: int | None = None, chunk_numel: int = 1024 * 1024):
@@ -95,9 +106,15 @@ class CpuAdamW:
                 raise ValueError(
                     f"CpuAdamW: {name} must be a contiguous CPU tensor of {numel} elements, "
                     f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
-        for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if t.dtype != torch.float32:
-                raise ValueError(f"CpuAdamW: {name} must be fp32, got {t.dtype}")
+        split = param.dtype == torch.int16
+        if split and (out is None or out.dtype != torch.bfloat16):
+            raise ValueError("CpuAdamW: an int16 param is a split master's remainder; it needs its bf16 "
+                             f"parameter as out, got {None if out is None else out.dtype}")
+        if param.dtype not in (torch.float32, torch.int16):
+            raise ValueError(f"CpuAdamW: param must be fp32 (or a split master's int16 remainder), got {param.dtype}")
+        for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype not in _MOMENT_DTYPES:
+                raise ValueError(f"CpuAdamW: {name} must be fp32 or bf16, got {t.dtype}")
         if numel == 0:
             return
         hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
@@ -118,17 +135,37 @@ class CpuAdamW:
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
 
     def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
+        split = param.dtype == torch.int16
+        # fp32 working chunks of what is stored narrower: one buffer per range (one per thread), reused
+        # chunk after chunk
+        n = min(hi - lo, self.chunk_numel)
+        joined = torch.empty(n, dtype=torch.float32) if split else None
+        wide = [torch.empty(n, dtype=torch.float32) if t.dtype != torch.float32 else None for t in (exp_avg, exp_avg_sq)]
         for s in range(lo, hi, self.chunk_numel):
             e = min(hi, s + self.chunk_numel)
-            p = param[s:e]
+            p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
+            m, v = (t[s:e] if w is None else w[:e - s].copy_(t[s:e]) for t, w in zip((exp_avg, exp_avg_sq), wide))
             g = grad[s:e]
             if g.dtype != torch.float32:
                 g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
             if grad_scale != 1.0:
                 g = g * grad_scale   # a new chunk: the caller's gradient stays as it was
-            _adamw_chunk(p, g, exp_avg[s:e], exp_avg_sq[s:e], **hyper)
-            if out is not None:
-                out[s:e].copy_(p)
+            _adamw_chunk(p, g, m, v, **hyper)
+            for t, w, wide_chunk in ((exp_avg, wide[0], m), (exp_avg_sq, wide[1], v)):
+                if w is not None:
+                    t[s:e].copy_(wide_chunk)   # bf16 moments: round to nearest even
+            if split:
+                split_bf16_(p, out[s:e], param[s:e])
+            elif out is not None:
+                write_param_(p, out[s:e])
+
+
+def write_param_(master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the fp32 ``master`` in ``out``'s dtype: bf16 by :func:`round_bf16_` (the rounding a split
+    master can invert, shared by every master format), other dtypes by torch's conversion; returns ``out``."""
+    if out.dtype == torch.bfloat16:
+        return round_bf16_(master, out)
+    return out.copy_(master)
 
 
 def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from infinity.optim.cpu_adam import CpuAdamW, _adamw_chunk
+from infinity.optim.split_master import round_bf16_
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -36,7 +37,7 @@ def test_matches_torch_fused_adamw_bitwise(numel, threads, chunk):
         torch.set_num_threads(saved_threads)
         adam.close()
     assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
-    assert torch.equal(out, p.to(torch.bfloat16))
+    assert torch.equal(out, as_bf16(p))   # the project's bf16 rounding of a master
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
@@ -121,3 +122,8 @@ def test_with_torch_threads_chunks_run_in_order_and_still_match():
     finally:
         torch.set_num_threads(saved)
     assert torch.equal(p, ref_p)
+
+
+def as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """A master rounded to bf16 the way every master format rounds it (ties away from zero)."""
+    return round_bf16_(t.contiguous(), torch.empty(t.shape, dtype=torch.bfloat16))

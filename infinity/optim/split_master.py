@@ -1,0 +1,103 @@
+"""The lossless split master: an fp32 master stored as its bf16 parameter plus a 16-bit remainder.
+
+With bf16 parameters the fp32 master costs 4 more bytes per element in every tier it is stored in,
+and an offloaded step reads and writes it once. But the bf16 parameter already holds the master's
+top 16 bits, rounded: storing only the rest, a signed 16-bit remainder, keeps the master exactly at
+half the bytes (``optimizer.master: remainder``). On the bit patterns (integer arithmetic, so
+crossing an exponent, subnormals and signs need no case of their own)::
+
+    master_bits = (param_bits << 16) + remainder        remainder in [-32768, 32767]
+
+Which rounding: a 16-bit remainder distinguishes 65536 fp32 patterns per bf16 value, and
+round-to-nearest-*even* maps 65537 of them onto each even bf16 value (both ties, ``low16 ==
+0x8000`` below and above it), so it cannot be inverted from 16 bits. Round-to-nearest with ties
+*away from zero* (in magnitude: ``param_bits = (master_bits + 0x8000) >> 16`` on the pattern) maps
+exactly 65536, ``[param << 16 - 0x8000, param << 16 + 0x7FFF]``, and then the remainder is simply the
+master's low 16 bits read as a signed int16. It differs from torch's ``.to(torch.bfloat16)`` only on
+exact ties (about one element in 65536 per update). :func:`round_bf16_` is the one bf16 rounding of
+a master the project uses, in every master format, so a remainder run is bitwise the fp32-master run
+and a checkpoint converts between the two exactly.
+
+NaN: a NaN master gives a NaN parameter (quiet bit set, its sign and top payload kept) and a
+remainder that joins back to a NaN; the payload's low bits are not kept (a diverged run stays
+visibly diverged, which is all a NaN has to say). +-inf and the largest finite values (which
+round to +-inf, as in torch) are exact.
+
+Everything is plain torch on contiguous tensors, so it runs on any device; the CPU optimizer calls it
+per cache-sized chunk. Needs a little-endian machine (the int16 halves of an fp32 pattern are read
+in place).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+__all__ = ["round_bf16_", "split_bf16_", "join_bf16_", "remainder_of"]
+
+if sys.byteorder != "little":   # the low half of an fp32 pattern is its first int16
+    raise ImportError("infinity.optim.split_master needs a little-endian machine")
+
+_QUIET_NAN = 0x0040   # bf16's quiet-NaN mantissa bit
+
+
+def _halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The low and high int16 halves of each fp32 pattern (strided views, no copy)."""
+    pairs = master.view(torch.int16).view(-1, 2)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def _rounded_bits(master: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """int16 bf16 patterns: the high half, plus one where the low half is >= 0x8000 (negative as int16)."""
+    bits = high + (low < 0).to(torch.int16)   # wraps only for NaN patterns, replaced below
+    nan = torch.isnan(master)
+    return torch.where(nan, high | _QUIET_NAN, bits)
+
+
+def round_bf16_(master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (bf16) = ``master`` (fp32) rounded to nearest, ties away from zero (see the module doc); returns ``out``."""
+    _check(master, out)
+    low, high = _halves(master)
+    out.view(torch.int16).copy_(_rounded_bits(master, low, high))
+    return out
+
+
+def split_bf16_(master: torch.Tensor, param_out: torch.Tensor, remainder_out: torch.Tensor) -> None:
+    """``param_out`` (bf16) = :func:`round_bf16_` of ``master`` (fp32); ``remainder_out`` (int16) = what
+    :func:`join_bf16_` needs to give ``master`` back exactly."""
+    _check(master, param_out, remainder_out)
+    low, high = _halves(master)
+    param_out.view(torch.int16).copy_(_rounded_bits(master, low, high))
+    remainder_out.copy_(low)
+
+
+def remainder_of(master: torch.Tensor) -> torch.Tensor:
+    """A new int16 tensor: the remainder :func:`split_bf16_` gives for ``master`` (its parameter being
+    :func:`round_bf16_` of it)."""
+    if master.dtype != torch.float32:
+        raise ValueError(f"split master: the master must be fp32, got {master.dtype}")
+    return _halves(master.contiguous())[0].clone()
+
+
+def join_bf16_(param: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32) = the master whose :func:`split_bf16_` gave ``param`` (bf16) and ``remainder`` (int16);
+    returns ``out``."""
+    _check(out, param, remainder)
+    low, high = _halves(out)
+    low.copy_(remainder)
+    # the remainder is signed: a negative one borrows one from the parameter's pattern
+    high.copy_(param.view(torch.int16) - (remainder < 0).to(torch.int16))
+    return out
+
+
+def _check(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor | None = None) -> None:
+    want = ((master, torch.float32, "master"), (param, torch.bfloat16, "parameter"),
+            (remainder, torch.int16, "remainder"))
+    for t, dtype, name in want:
+        if t is None:
+            continue
+        if t.dtype != dtype or not t.is_contiguous() or t.numel() != master.numel():
+            raise ValueError(f"split master: the {name} must be a contiguous {dtype} tensor of "
+                             f"{master.numel()} elements, got {t.dtype} {tuple(t.shape)} "
+                             f"(contiguous={t.is_contiguous()})")
