@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -74,6 +75,7 @@ class CpuAdamW:
         self.threads = threads or default_adam_threads()
         self.chunk_numel = -(-chunk_numel // _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="infinity-adam") if self.threads > 1 else None
+        self._buffers = threading.local()   # per thread: a chunk's work buffers (see _work)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -134,13 +136,22 @@ class CpuAdamW:
         per_thread = math.ceil(numel / self.threads / _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
 
+    def _work(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's work buffer ``name`` of one chunk, made on first use and kept: a fresh multi-MB
+        tensor per call would page-fault its way in every step."""
+        buffers = self._buffers.__dict__
+        if name not in buffers:
+            buffers[name] = torch.empty(self.chunk_numel, dtype=dtype)
+        return buffers[name]
+
     def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
         split = param.dtype == torch.int16
-        # fp32 working chunks of what is stored narrower: one buffer per range (one per thread), reused
-        # chunk after chunk
-        n = min(hi - lo, self.chunk_numel)
-        joined = torch.empty(n, dtype=torch.float32) if split else None
-        wide = [torch.empty(n, dtype=torch.float32) if t.dtype != torch.float32 else None for t in (exp_avg, exp_avg_sq)]
+        # fp32 working chunks of what is stored narrower (a split master, bf16 moments) and the bf16
+        # rounding's int32 work buffer: this thread's, reused chunk after chunk and step after step
+        joined = self._work("joined", torch.float32) if split else None
+        scratch = self._work("scratch", torch.int32) if out is not None and out.dtype == torch.bfloat16 else None
+        wide = [self._work(name, torch.float32) if t.dtype != torch.float32 else None
+                for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
         for s in range(lo, hi, self.chunk_numel):
             e = min(hi, s + self.chunk_numel)
             p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
@@ -154,17 +165,19 @@ class CpuAdamW:
             for t, w, wide_chunk in ((exp_avg, wide[0], m), (exp_avg_sq, wide[1], v)):
                 if w is not None:
                     t[s:e].copy_(wide_chunk)   # bf16 moments: round to nearest even
+            work = scratch[:e - s] if scratch is not None else None
             if split:
-                split_bf16_(p, out[s:e], param[s:e])
+                split_bf16_(p, out[s:e], param[s:e], work)
             elif out is not None:
-                write_param_(p, out[s:e])
+                write_param_(p, out[s:e], work)
 
 
-def write_param_(master: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def write_param_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` = the fp32 ``master`` in ``out``'s dtype: bf16 by :func:`round_bf16_` (the rounding a split
-    master can invert, shared by every master format), other dtypes by torch's conversion; returns ``out``."""
+    master can invert, shared by every master format; ``scratch`` its int32 work buffer), other dtypes by
+    torch's conversion; returns ``out``."""
     if out.dtype == torch.bfloat16:
-        return round_bf16_(master, out)
+        return round_bf16_(master, out, scratch)
     return out.copy_(master)
 
 
