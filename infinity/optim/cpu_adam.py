@@ -42,6 +42,10 @@ _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # it, so chunked results stay bitwise equal to it.
 _CHUNK_ALIGN_NUMEL = 64
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)   # optimizer.moments: fp32 | bf16
+# Chunk of a step that converts (bf16 rounding, a split master, bf16 moments), and so the size of each
+# thread's kept fp32/int32 work buffers (up to 4, 1 MiB each): a multiple of _CHUNK_ALIGN_NUMEL, so
+# results stay bitwise those of any chunking
+_WORK_CHUNK_NUMEL = 256 * 1024
 
 
 def default_adam_threads(local_ranks: int = 1) -> int:
@@ -137,11 +141,11 @@ class CpuAdamW:
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
 
     def _work(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """This thread's work buffer ``name`` of one chunk, made on first use and kept: a fresh multi-MB
-        tensor per call would page-fault its way in every step."""
+        """This thread's work buffer ``name`` of one work chunk, made on first use and kept: a fresh
+        multi-MB tensor per call would page-fault its way in every step."""
         buffers = self._buffers.__dict__
         if name not in buffers:
-            buffers[name] = torch.empty(self.chunk_numel, dtype=dtype)
+            buffers[name] = torch.empty(min(self.chunk_numel, _WORK_CHUNK_NUMEL), dtype=dtype)
         return buffers[name]
 
     def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
@@ -152,8 +156,10 @@ class CpuAdamW:
         scratch = self._work("scratch", torch.int32) if out is not None and out.dtype == torch.bfloat16 else None
         wide = [self._work(name, torch.float32) if t.dtype != torch.float32 else None
                 for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
-        for s in range(lo, hi, self.chunk_numel):
-            e = min(hi, s + self.chunk_numel)
+        converts = joined is not None or scratch is not None or wide != [None, None]
+        stride = min(self.chunk_numel, _WORK_CHUNK_NUMEL) if converts else self.chunk_numel
+        for s in range(lo, hi, stride):
+            e = min(hi, s + stride)
             p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
             m, v = (t[s:e] if w is None else w[:e - s].copy_(t[s:e]) for t, w in zip((exp_avg, exp_avg_sq), wide))
             g = grad[s:e]
