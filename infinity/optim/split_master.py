@@ -38,29 +38,33 @@ _QUIET_NAN = 0x0040   # bf16's quiet-NaN mantissa bit
 _HALF = 0x8000        # half a bf16 ulp in the fp32 pattern's low 16 bits
 
 
-def _rounded_bits(master: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+def _exact_bits(master: torch.Tensor) -> torch.Tensor:
     """int32 holding each bf16 pattern: ``(master_bits + 0x8000) >> 16`` (arithmetic shift: a negative
-    pattern stays negative), which the int16 conversion narrows exactly (it keeps the low 16 bits).
-
-    In ``scratch`` (int32, as many elements) when given: a fresh multi-MB tensor per chunk costs more
-    in page faults (~2.5 ns/element measured) than the arithmetic itself."""
+    pattern stays negative; the int16 conversion then keeps the low 16 bits), NaN patterns (which carry
+    into the sign bit or round to inf there) given a NaN. Every pattern, but four passes and a mask:
+    :func:`round_bf16_` takes it only for chunks holding an inf or NaN."""
     bits = master.view(torch.int32)
-    out = torch.add(bits, _HALF, out=scratch) if scratch is not None else bits + _HALF
-    out >>= 16   # wraps only for NaN patterns, fixed below
-    # NaN patterns near the top of the range carry into the sign bit (or round to inf): give those a NaN.
-    # A sum is NaN whenever an element is (and, harmlessly, for inf + -inf): one cheap reduction; the
-    # exact fix runs only then (a diverged run)
-    if torch.isnan(master.sum()):
-        nan = torch.isnan(master)
-        out = torch.where(nan, (bits >> 16) | _QUIET_NAN, out)
-    return out
+    out = bits + _HALF
+    out >>= 16
+    return torch.where(torch.isnan(master), (bits >> 16) | _QUIET_NAN, out)
 
 
 def round_bf16_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` (bf16) = ``master`` (fp32) rounded to nearest, ties away from zero (see the module doc);
-    returns ``out``. ``scratch``: an int32 work buffer of as many elements (else one is allocated)."""
+    returns ``out``. ``scratch``: an int32 work buffer of as many elements (else one is allocated: a
+    fresh multi-MB tensor per chunk costs more in page faults than the rounding).
+
+    Two passes for finite values: set the pattern's lowest bit, then torch's round-to-nearest-even.
+    The bit turns an exact tie (low half 0x8000) into just above it, so it rounds away from zero, and
+    moves nothing else across the half-way point (0x7FFF stays below it, an exact bf16 value stays
+    itself). It would turn inf into NaN: a chunk whose sum is not finite (an inf or NaN in it, or an
+    overflowing sum) takes the exact integer path instead."""
     _check(master, out)
-    out.view(torch.int16).copy_(_rounded_bits(master, scratch))
+    if not torch.isfinite(master.sum()):
+        out.view(torch.int16).copy_(_exact_bits(master))
+        return out
+    nudged = torch.bitwise_or(master.view(torch.int32), 1, out=scratch)
+    out.copy_(nudged.view(torch.float32))
     return out
 
 
@@ -71,7 +75,7 @@ def split_bf16_(master: torch.Tensor, param_out: torch.Tensor, remainder_out: to
     ``scratch``: as for :func:`round_bf16_`."""
     _check(master, param_out, remainder_out)
     remainder_out.copy_(master.view(torch.int32))   # int32 -> int16 keeps the low 16 bits
-    param_out.view(torch.int16).copy_(_rounded_bits(master, scratch))
+    round_bf16_(master, param_out, scratch)
 
 
 def remainder_of(master: torch.Tensor) -> torch.Tensor:

@@ -128,3 +128,21 @@ def test_bf16_moments_are_the_fp32_update_rounded_each_step():
     one_m = torch.zeros(numel, dtype=torch.bfloat16)
     CpuAdamW(threads=1).step_(master.clone(), grads[0], one_m, torch.zeros(numel, dtype=torch.bfloat16), step=1, **HYPER)
     assert ((one_m.float() - fp32_m).abs() <= fp32_m.abs() * 2**-8).all()
+
+
+def test_the_two_pass_rounding_of_finite_chunks_is_the_exact_one():
+    """Chunks of finite values take the fast path (lowest bit set, then round-to-nearest-even); it gives
+    the exact integer path's parameter for every finite pattern, ties, exponent carries and the values
+    that round to inf included; a chunk holding an inf or a NaN takes the exact path."""
+    from infinity.optim.split_master import _exact_bits
+
+    bits = _patterns()
+    master = bits.view(torch.float32)
+    finite = master[torch.isfinite(master)].contiguous()
+    fast = round_bf16_(finite, torch.empty(finite.shape, dtype=torch.bfloat16))
+    assert torch.equal(fast.view(torch.int16), _exact_bits(finite).to(torch.int16))
+    for special in (float("inf"), -float("inf"), float("nan")):
+        chunk = torch.tensor([1.0, special, -3.0])
+        got = round_bf16_(chunk, torch.empty(3, dtype=torch.bfloat16)).float()
+        assert got[0] == 1.0 and got[2] == -3.0
+        assert (torch.isnan(got[1]) if special != special else got[1] == special)
