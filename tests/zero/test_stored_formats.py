@@ -2,7 +2,7 @@
 
 ``master: remainder`` keeps the fp32 master as an int16 remainder beside the bf16 parameter: a run
 with it is bitwise the fp32-master run (losses and every parameter), at world sizes 1 and 2, stages
-1-3, optimizer in memory, on host and on NVMe, with and without ``overlap_backward``. ``moments:
+0-3, optimizer in memory, on host and on NVMe, with and without ``overlap_backward``. ``moments:
 bf16`` trains close to fp32 moments. The disk bytes a step moves are the placement's accounting
 exactly, in each format.
 """
@@ -19,6 +19,7 @@ BASE = dict(model="hf_gpt2", steps=3, batch=8, lr=1e-2, groups=True, dtype="bf16
 # unit's optimizer job beside the host-homed gradients, so NVMe-homed states stream: read and written once a step.
 SMALL = dict(host_bytes=340 * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024)
 CASES = [
+    ("memory-s0", dict(stage=0)),
     ("memory-s1", dict(stage=1)),
     ("memory-s3", dict(stage=3)),
     ("opt-host-s1", dict(stage=1, offload=dict(optimizer="host"))),
