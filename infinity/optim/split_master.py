@@ -58,7 +58,9 @@ def round_bf16_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor |
     The bit turns an exact tie (low half 0x8000) into just above it, so it rounds away from zero, and
     moves nothing else across the half-way point (0x7FFF stays below it, an exact bf16 value stays
     itself). It would turn inf into NaN: a chunk whose sum is not finite (an inf or NaN in it, or an
-    overflowing sum) takes the exact integer path instead."""
+    overflowing sum) takes the exact integer path instead. It relies on torch's fp32 -> bf16
+    conversion being exact round-to-nearest-even, subnormals included (no flush to zero), which
+    tests/optim/test_split_master.py checks over every exponent."""
     _check(master, out)
     if not torch.isfinite(master.sum()):
         out.view(torch.int16).copy_(_exact_bits(master))
