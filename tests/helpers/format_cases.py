@@ -48,18 +48,25 @@ def resumed(spec: dict) -> dict:
             opt.step()
             opt.zero_grad()
 
+    def moments(model) -> list:
+        from infinity.zero.units import TensorClass
+        return [u.shard.read(TensorClass.EXP_AVG_SQ).clone() for u in infinity.engine_of(model).units]
+
     model, opt = engine_for(spec["optimizer"])
     steps(model, opt, 0, spec["save_at"])
+    saved = moments(model)
     infinity.save_checkpoint(ckpt, model, opt)
     infinity.engine_of(model).close()
     model, opt = engine_for(spec["load_optimizer"])
     infinity.load_checkpoint(ckpt, model, opt)
+    loaded = moments(model)
     steps(model, opt, spec["save_at"], spec["steps"])
     engine = infinity.engine_of(model)
     with engine.gathered():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None
     engine.close()
-    return {"losses": losses, "params": params}
+    # this rank's second moments as the first engine kept them at the save, and as the second loaded them
+    return {"losses": losses, "params": params, "saved_moments": saved, "loaded_moments": loaded}
 
 
 def many_resumed(specs: list) -> list:

@@ -9,6 +9,8 @@ exactly, in each format.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -124,3 +126,20 @@ def test_a_checkpoint_saved_in_one_master_format_resumes_bitwise_in_the_other(wo
         assert got["losses"] == straight["losses"], f"{where}: {got['losses']} vs {straight['losses']}"
         for n, p in straight["params"].items():
             assert torch.equal(got["params"][n], p), f"{where}: parameter {n} differs"
+
+
+def test_a_checkpoint_converts_between_moment_formats(worlds, tmp_path):
+    """Moments are saved as their fp32 values: loaded as bf16 they are those values rounded to nearest;
+    bf16 moments loaded as fp32 are exactly what the bf16 run held; training goes on from either."""
+    case = dict(BASE, stage=2, offload=dict(optimizer="nvme", grads="host"), steps=3, save_at=2, **SMALL)
+    specs = [dict(case, optimizer={"moments": a}, load_optimizer={"moments": b}, tmp=str(tmp_path / f"{a}-{b}"))
+             for a, b in (("fp32", "bf16"), ("bf16", "fp32"))]
+    to_bf16, to_fp32 = worlds(2).run(format_cases.many_resumed, specs)[0]
+    for saved, loaded in zip(to_bf16["saved_moments"], to_bf16["loaded_moments"]):
+        assert saved.dtype == torch.float32 and loaded.dtype == torch.bfloat16
+        assert torch.equal(loaded, saved.to(torch.bfloat16))
+    for saved, loaded in zip(to_fp32["saved_moments"], to_fp32["loaded_moments"]):
+        assert saved.dtype == torch.bfloat16 and loaded.dtype == torch.float32
+        assert torch.equal(loaded, saved.float())
+    for got in (to_bf16, to_fp32):
+        assert len(got["losses"]) == 3 and all(math.isfinite(x) for x in got["losses"])
