@@ -64,7 +64,7 @@ def _add_estimate(sub) -> None:
 def _run_estimate(args) -> int:
     from infinity.config import Config
     from infinity.estimate.strategies import (ZEROPP_ROWS, ZeroPPSwitches, count_params, estimate_all, estimate_config,
-                                   parse_param_count, zeropp_rows)
+                                   format_rows, parse_param_count, zeropp_rows)
 
     if args.devices < 1:
         raise UsageError(f"--devices must be >= 1, got {args.devices}")
@@ -111,7 +111,7 @@ def _run_estimate(args) -> int:
     if args.json:
         out = {"num_params": num_params, "world_size": args.devices, "precision": precision,
                "model": args.model, "config": args.config, "estimates": [e.to_dict() for e in rows],
-               "ranks_per_node": per_node, "zeropp": pp_rows}
+               "ranks_per_node": per_node, "zeropp": pp_rows, "stored_formats": format_rows(precision)}
         if memory is not None:
             out["memory"] = {k: v for k, v in memory.items() if k != "lines"}
         if args.tp > 1:
@@ -137,7 +137,21 @@ def _run_estimate(args) -> int:
     if args.tp > 1:
         _print_tp(_tp_rows(args), args)
     _print_zeropp(pp_rows, args.devices, per_node)
+    _print_formats(format_rows(precision), num_params, args.devices)
     return 0
+
+
+def _print_formats(rows: list, num_params: int, devices: int) -> None:
+    """Bytes per parameter per tier for each stored format (optimizer.master x optimizer.moments)."""
+    print("\nStored formats (optimizer.master / optimizer.moments), ZeRO-Infinity on NVMe: bytes per parameter "
+          "per tier, and the optimizer's disk bytes per step")
+    table = [("master", "moments", "device", "host", "nvme", "total", "read/step", "written/step", "nvme/rank")]
+    for r in rows:
+        table.append((r["master"], r["moments"], *(f"{r[k]} B" for k in ("device", "host", "nvme", "total",
+                                                                          "optimizer_read", "optimizer_write")),
+                      _size(-(-num_params // devices) * r["nvme"])))
+    _print_table(table)
+    print("remainder: exact (bitwise the fp32 master's training); bf16 moments: lossy (README: convergence)")
 
 
 def _print_table(table: list) -> None:

@@ -41,6 +41,8 @@ __all__ = [
 TIERS = ("none", "host", "nvme")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
+MASTER_FORMATS = ("fp32", "remainder")
+MOMENT_FORMATS = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
@@ -251,6 +253,15 @@ class OptimizerConfig:
         "zero.stage >= 2 and offload.optimizer host or nvme; not with fp16 (the overflow check needs every "
         "gradient first); one backward per step (no gradient accumulation) and no clip_grad_norm_; "
         "hyper-parameters (lr) are read when the backward starts updating")
+    master: str = _f(
+        "fp32", _choice(*MASTER_FORMATS), "stored format of the fp32 master weights. remainder (bf16 parameters "
+        "only): the master is kept as a signed 16-bit remainder beside the bf16 parameter, exactly (training is "
+        "bitwise the fp32 run's), 2 instead of 4 B/element stored and moved; the optimizer then reads the stored "
+        "parameter as well as writing it")
+    moments: str = _f(
+        "fp32", _choice(*MOMENT_FORMATS), "stored format of Adam's two moments; the update math stays fp32 (each "
+        "chunk widened, updated and rounded back to nearest while in cache). bf16: 2 instead of 4 B/element each, "
+        "stored and moved; lossy (see the README's convergence figures)")
 
 
 @dataclass(frozen=True)
@@ -533,6 +544,11 @@ class Config:
                 "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
         if self.optimizer.overlap_backward:
             self._check_overlap_backward()
+        if self.optimizer.master == "remainder" and self.precision.param_dtype != "bf16":
+            raise ConfigError(
+                f"optimizer.master: remainder needs precision.param_dtype bf16, got {self.precision.param_dtype} "
+                "(the remainder is the fp32 master's low 16 bits beside a bf16 parameter's high 16; an fp16 "
+                "parameter has other exponent bits, an fp32 one is the master itself)")
         if self.optimizer.overlap_backward and self.schedule.clip_grad_norm is not None:
             raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_backward (each unit is updated "
                               "during backward, before the global gradient norm is known)")

@@ -253,3 +253,16 @@ def test_sections_built_directly_refuse_nan():
     from infinity.config import OptimizerConfig
     with pytest.raises(ConfigError, match=r"optimizer\.lr: expected a finite number"):
         Config(optimizer=OptimizerConfig(lr=float("nan")))
+
+
+@pytest.mark.parametrize("dtype, why", [("fp16", "an fp16 parameter has other exponent bits"),
+                                        ("fp32", "an fp32 one is the master itself")])
+def test_remainder_master_needs_bf16_parameters(dtype, why):
+    with pytest.raises(ConfigError, match=f"optimizer.master: remainder needs precision.param_dtype bf16, got "
+                                          f"{dtype}.*{why}"):
+        Config.from_dict({"optimizer": {"master": "remainder"}, "precision": {"param_dtype": dtype}})
+    assert Config.from_dict({"optimizer": {"master": "remainder"},
+                             "precision": {"param_dtype": "bf16"}}).optimizer.master == "remainder"
+    with pytest.raises(ConfigError, match="optimizer.master"):
+        Config.from_dict({"optimizer": {"master": "fp16"}})
+    assert Config().optimizer.master == "fp32"

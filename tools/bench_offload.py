@@ -1,6 +1,7 @@
 """ZeRO-Infinity figures, each beside a baseline measured in the same run.
 
     python tools/bench_offload.py --json [--dir DIR] [--optim-numel 32M] [--skip-zero3] [--only SECTION]
+    python tools/bench_offload.py --only formats --reps 5           # the stored formats' CPU Adam cost
 
 1. ``optimizer``: one optimizer step with fp32 master / m / v and the gradient on NVMe and the
    bf16 parameter written back too (``AdamPipeline``, host budget of ~3 shards), against
@@ -12,6 +13,9 @@
 2. ``adam``: ``CpuAdamW`` with the bf16 copy-back fused in, against ``torch.optim.AdamW(fused=True)``
    followed by the bf16 copy, on the same shard sizes (same threads: torch's intra-op pool).
    Target: torch / ours >= 1.0.
+2b. ``formats``: ``CpuAdamW`` per stored format (``optimizer.master`` fp32 | remainder x ``moments``
+   fp32 | bf16), time per element against fp32 master + fp32 moments on the same shards.
+   Target: each format's conversions add <= 25% to the fp32 update's time.
 3. ``zero3``: GPT trained at stage 3 with params, gradients (``--grads``) and optimizer on NVMe
    against the same model fully in memory (stage 3, no offload), one process each (world size 1),
    median step time after a warm-up step, per-phase times, and each process's peak RSS beside the
@@ -212,6 +216,62 @@ def bench_adam(shard_numel: int, shards: int, threads: int, reps: int) -> dict:
                         "torch threads = ours, alternating rep by rep"}
 
 
+# ---------------------------------------------------------------- 2b. CPU Adam per stored format
+
+FORMATS = (("fp32", "fp32"), ("remainder", "fp32"), ("fp32", "bf16"), ("remainder", "bf16"))
+
+
+def bench_formats(shard_numel: int, shards: int, threads: int, reps: int) -> dict:
+    """``CpuAdamW`` time per element with each stored format (``optimizer.master`` x ``moments``) against
+    the fp32 master and fp32 moments, bf16 parameter written back in every case; the formats alternate
+    rep by rep so load from other processes hits all alike. The overhead is the formats' conversions
+    (join/split of the master, widening/rounding of the moments) over the plain fp32 update."""
+    from infinity.optim.split_master import split_bf16_
+
+    g = torch.Generator().manual_seed(0)
+    states = {}
+    for master, moments in FORMATS:
+        mdtype = torch.float32 if moments == "fp32" else torch.bfloat16
+        rows = []
+        for i in range(shards):
+            p32 = torch.randn(shard_numel, generator=torch.Generator().manual_seed(i))
+            out = torch.empty(shard_numel, dtype=torch.bfloat16)
+            if master == "remainder":
+                p = torch.empty(shard_numel, dtype=torch.int16)
+                split_bf16_(p32, out, p)
+            else:
+                p = p32
+            rows.append((p, torch.randn(shard_numel, generator=g), torch.zeros(shard_numel, dtype=mdtype),
+                         torch.zeros(shard_numel, dtype=mdtype), out))
+        states[(master, moments)] = rows
+    ours = CpuAdamW(threads=threads)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = {k: [] for k in FORMATS}
+    try:
+        for step in range(1, reps + 2):   # step 1 is a warm-up
+            for key in FORMATS:
+                t0 = time.perf_counter()
+                for p, gr, m, v, out in states[key]:
+                    ours.step_(p, gr, m, v, step=step, out=out, **HYPER)
+                if step > 1:
+                    times[key].append(time.perf_counter() - t0)
+    finally:
+        ours.close()
+        torch.set_num_threads(prev)
+    numel = shard_numel * shards
+    base = statistics.median(times[FORMATS[0]])
+    rows = {}
+    for (master, moments), ts in times.items():
+        t = statistics.median(ts)
+        rows[f"{master}/{moments}"] = {"step_s": t, "ns_per_element": t / numel * 1e9, "vs_fp32": t / base,
+                                       "overhead": t / base - 1}
+    return {"shard_numel": shard_numel, "shards": shards, "threads": threads, "reps": reps, "formats": rows,
+            "target_overhead": 0.25,
+            "baseline": "CpuAdamW with fp32 master and fp32 moments (bf16 parameter written back), same shards "
+                        "and threads, alternating format by format within each rep"}
+
+
 # ---------------------------------------------------------------- 3. ZeRO-3 on NVMe vs in memory
 
 ZERO3_CHILD = r"""
@@ -298,7 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=default_adam_threads())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-zero3", action="store_true")
-    ap.add_argument("--only", choices=("adam", "optimizer", "zero3"), help="run one section")
+    ap.add_argument("--only", choices=("adam", "formats", "optimizer", "zero3"), help="run one section")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -322,6 +382,9 @@ def main(argv=None) -> int:
         if want("adam"):
             result["adam"] = bench_adam(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
                                         args.threads, args.reps)
+        if want("formats"):
+            result["formats"] = bench_formats(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
+                                              args.threads, args.reps)
         if want("optimizer"):
             result["optimizer"] = bench_optimizer(root, args.optim_numel, args.shard_numel, args.threads, args.reps)
         if want("zero3") and not args.skip_zero3:

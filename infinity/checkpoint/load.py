@@ -30,6 +30,8 @@ from infinity.checkpoint.shard_reader import ShardReader
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
 from infinity.checkpoint.tp_layout import check_full_layout, load_unit_resharded
 from infinity.checkpoint.train_state import restore_optimizer, restore_rng, restore_scaler
+from infinity.optim.cpu_adam import write_param_
+from infinity.optim.split_master import split_bf16_
 from infinity.zero.units import TensorClass, UnitState
 
 __all__ = ["load_checkpoint"]
@@ -113,21 +115,35 @@ def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
     tp_rank = engine.tp.rank if engine.tp is not None else 0
     rebuilt = load_unit_resharded(engine, unit, reader, resplit_from, SHARD_TENSORS, lo, hi) \
         if resplit_from is not None else None
+    split = engine.placement.split_master
     for name in SHARD_TENSORS:
         t = shard.get(TensorClass(name))
-        staging = t if t.device.type == "cpu" else torch.empty(t.numel(), dtype=t.dtype)  # CUDA-only staging
+        # a split master is read as the fp32 master it stands for, then split below
+        fp32 = split and name == TensorClass.MASTER.value
+        # saved states are fp32: one kept narrower (bf16 moments) is read wide, then rounded by the copy
+        staging = t if t.device.type == "cpu" and not fp32 and t.dtype == torch.float32 else \
+            torch.empty(t.numel(), dtype=torch.float32)  # CUDA-only staging, the fp32 master or a wide moment
         with torch.no_grad():
             if rebuilt is not None:
                 staging[:hi - lo].copy_(rebuilt[name])
             else:
                 reader.read(unit.index, name, lo, hi, staging[:hi - lo], tp_rank=tp_rank)
             staging[hi - lo:].zero_()  # padding is in no param group: it must stay zero
-            if staging is not t:
+            if fp32:
+                master32 = staging
+            elif staging is not t:
                 t.copy_(staging)
     master, param = shard.get(TensorClass.MASTER), shard.get(TensorClass.PARAM)
     with torch.no_grad():
-        if param is not master:
-            param.copy_(master)  # the compute-dtype shard is always the master rounded (as after a step)
+        if split:   # the parameter and the remainder, from the fp32 master exactly (whatever format saved it)
+            param_host = torch.empty(param.numel(), dtype=param.dtype)
+            remainder = torch.empty(master.numel(), dtype=master.dtype)
+            split_bf16_(master32, param_host, remainder)
+            param.copy_(param_host)
+            master.copy_(remainder)
+        elif param is not master:
+            # the compute-dtype shard is always the master rounded (as after a step)
+            write_param_(master, param)
         if engine.policy.gather_after_step:
             # parameters are views of the full buffer: every rank's new shard must reach every rank
             engine.refresh_full_param(unit)

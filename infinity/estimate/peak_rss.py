@@ -124,7 +124,7 @@ def predict_peak_rss(baseline_bytes: int, units: list, placement: Placement, sta
 def _resident_bytes(units: list, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
     """Bytes of model state kept in engine memory (not in the store), as the engine lays it out."""
     total = 0
-    master_alias = placement.master_is_param(param_itemsize == 4)
+    master_bytes = placement.master_itemsize(param_itemsize)
     for u in units:
         if stage < 3:
             total += u.padded_numel * param_itemsize          # full parameters; the shard is a view
@@ -135,7 +135,7 @@ def _resident_bytes(units: list, placement: Placement, stage: int, param_itemsiz
         elif placement.grads is None:
             total += u.shard_numel * reduce_itemsize
         if placement.optimizer is None:
-            total += u.shard_numel * (8 if master_alias else 12)
+            total += u.shard_numel * (2 * placement.moment_itemsize + master_bytes)
     return total
 
 

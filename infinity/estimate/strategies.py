@@ -30,6 +30,11 @@ NVMe. So, per rank, in mixed precision:
   grad shards on host 2Ψ/N (they wait there for the CPU optimizer step);
   nothing persistent on device.
 
+Stored formats (``optimizer.master`` / ``optimizer.moments``, :func:`state_bytes`) shrink the optimizer
+class: a remainder master is 2 B instead of 4, bf16 moments 2 B each instead of 4, so mixed
+precision's 12 B of optimizer state becomes 10, 8 or 6 (:func:`format_rows`: per tier, and the disk
+bytes an offloaded step moves).
+
 Every figure is *model state at rest, per rank*. Not counted: activations,
 the working set of gathered full parameters at stage 3 (the live units,
 bounded by ``prefetch.max_live_bytes``), communication buckets, host staging
@@ -62,7 +67,8 @@ import torch.nn as nn
 
 __all__ = [
     "StateBytes", "MIXED", "FP32", "Placement", "STRATEGIES", "MemoryEstimate", "CommEstimate", "Estimate",
-    "estimate", "estimate_all", "estimate_config", "parse_param_count", "count_params",
+    "estimate", "estimate_all", "estimate_config", "parse_param_count", "count_params", "state_bytes",
+    "format_rows", "MASTER_BYTES", "MOMENT_BYTES",
     "ZeroPPSwitches", "ZEROPP_ROWS", "zeropp_comm", "zeropp_rows",
 ]
 
@@ -86,6 +92,41 @@ class StateBytes:
 MIXED = StateBytes(param=2, grad=2, optimizer=12)   # fp16/bf16 param + grad; fp32 master, m, v
 FP32 = StateBytes(param=4, grad=4, optimizer=8)     # fp32 param (= master) + grad; fp32 m, v
 _PRECISIONS = {"mixed": MIXED, "fp32": FP32}
+MASTER_BYTES = {"fp32": 4, "remainder": 2}   # optimizer.master: bytes per parameter stored
+MOMENT_BYTES = {"fp32": 4, "bf16": 2}        # optimizer.moments: bytes per parameter, each moment
+
+
+def state_bytes(precision: str = "mixed", master: str = "fp32", moments: str = "fp32") -> StateBytes:
+    """Bytes per parameter of each state class with the stored formats ``optimizer.master`` / ``moments``:
+    the optimizer class holds the master (none in fp32, where the parameter is the master; 2 B as a
+    remainder beside a bf16 parameter) and the two moments."""
+    if precision not in _PRECISIONS:
+        raise ValueError(f"state_bytes: precision must be one of {list(_PRECISIONS)}, got {precision!r}")
+    if master not in MASTER_BYTES or moments not in MOMENT_BYTES:
+        raise ValueError(f"state_bytes: master must be one of {list(MASTER_BYTES)} and moments one of "
+                         f"{list(MOMENT_BYTES)}, got {master!r}, {moments!r}")
+    if master == "remainder" and precision != "mixed":
+        raise ValueError("state_bytes: a remainder master needs mixed (bf16) precision")
+    base = _PRECISIONS[precision]
+    master_bytes = 0 if precision == "fp32" else MASTER_BYTES[master]
+    return StateBytes(base.param, base.grad, master_bytes + 2 * MOMENT_BYTES[moments])
+
+
+def format_rows(precision: str = "mixed") -> list:
+    """Per stored format (master x moments): bytes per parameter at rest in each tier with ZeRO-Infinity
+    on NVMe (parameters and optimizer states on NVMe, gradients on host), and the disk bytes per parameter
+    a step moves for the optimizer: its states read and written once; a remainder master also reads the
+    bf16 parameter, which the fp32 master's update only writes."""
+    rows = []
+    masters = ("fp32", "remainder") if precision == "mixed" else ("fp32",)
+    for master in masters:
+        for moments in MOMENT_BYTES:
+            b = state_bytes(precision, master, moments)
+            read = b.optimizer + (b.param if master == "remainder" else 0)
+            rows.append({"master": master, "moments": moments, "device": 0, "host": b.grad,
+                         "nvme": b.param + b.optimizer, "total": b.total,
+                         "optimizer_read": read, "optimizer_write": b.optimizer + b.param})
+    return rows
 
 
 @dataclass(frozen=True)
@@ -170,12 +211,13 @@ class Estimate:
 
 
 def estimate(num_params: int, world_size: int, placement: Placement, precision: str = "mixed",
-             param_dtype: str | None = None, reduce_dtype: str | None = None) -> Estimate:
+             param_dtype: str | None = None, reduce_dtype: str | None = None,
+             state: StateBytes | None = None) -> Estimate:
     """Memory per rank and communication per step for one placement.
 
-    ``precision`` ("mixed" or "fp32") sets the state bytes per parameter.
-    ``param_dtype``/``reduce_dtype`` set the bytes per communicated element;
-    by default 2 for mixed, 4 for fp32.
+    ``precision`` ("mixed" or "fp32") sets the state bytes per parameter (``state`` overrides them:
+    :func:`state_bytes` with the stored formats). ``param_dtype``/``reduce_dtype`` set the bytes per
+    communicated element; by default 2 for mixed, 4 for fp32.
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"estimate: num_params must be a positive integer, got {num_params!r}")
@@ -187,7 +229,7 @@ def estimate(num_params: int, world_size: int, placement: Placement, precision: 
     gather_bytes = _dtype_bytes(param_dtype or default_dtype, "param_dtype")
     reduce_bytes = _dtype_bytes(reduce_dtype or default_dtype, "reduce_dtype")
 
-    state = _PRECISIONS[precision]
+    state = state or _PRECISIONS[precision]
     shard_numel = math.ceil(num_params / world_size)
     per_class = {}
     tiers = dict.fromkeys(TIER_NAMES, 0)
@@ -218,7 +260,8 @@ def estimate_all(num_params: int, world_size: int, precision: str = "mixed") -> 
 
 
 def estimate_config(config, num_params: int, world_size: int) -> Estimate:
-    """The estimate for an :class:`infinity.Config`: its stage, offload tiers and dtypes.
+    """The estimate for an :class:`infinity.Config`: its stage, offload tiers, dtypes and the optimizer's
+    stored formats (``optimizer.master`` / ``moments``).
 
     ``precision.param_dtype`` fp32 is the fp32 case; bf16/fp16 the mixed case.
     """
@@ -231,7 +274,8 @@ def estimate_config(config, num_params: int, world_size: int) -> Estimate:
                           optimizer=tier(off.optimizer))
     prec = config.precision
     precision = "fp32" if prec.param_dtype == "fp32" else "mixed"
-    return estimate(num_params, world_size, placement, precision, prec.param_dtype, prec.reduce_dtype)
+    state = state_bytes(precision, config.optimizer.master, config.optimizer.moments)
+    return estimate(num_params, world_size, placement, precision, prec.param_dtype, prec.reduce_dtype, state)
 
 
 def _dtype_bytes(dtype: str, what: str) -> int:

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["CpuAdamW", "adamw_", "device_adamw_", "uses_fused_adamw", "default_adam_threads"]
+from infinity.optim.split_master import join_bf16_, round_bf16_, split_bf16_
+
+__all__ = ["CpuAdamW", "adamw_", "device_adamw_", "uses_fused_adamw", "default_adam_threads", "write_param_"]
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # The fused kernel runs vector lanes over the body of a tensor and scalar code
@@ -38,6 +41,11 @@ _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # multiple of this keeps the vector/scalar split where a whole-tensor call puts
 # it, so chunked results stay bitwise equal to it.
 _CHUNK_ALIGN_NUMEL = 64
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)   # optimizer.moments: fp32 | bf16
+# Chunk of a step that converts (bf16 rounding, a split master, bf16 moments), and so the size of each
+# thread's kept fp32/int32 work buffers (up to 4, 1 MiB each): a multiple of _CHUNK_ALIGN_NUMEL, so
+# results stay bitwise those of any chunking
+_WORK_CHUNK_NUMEL = 256 * 1024
 
 
 def default_adam_threads(local_ranks: int = 1) -> int:
@@ -54,7 +62,15 @@ class CpuAdamW:
 
     ``step_`` updates ``param``, ``exp_avg`` and ``exp_avg_sq`` in place, exactly
     like ``torch.optim.AdamW`` with ``fused=True`` (the same kernel), and writes
-    ``param`` converted to ``out.dtype`` into ``out`` when given.
+    ``param`` converted to ``out.dtype`` into ``out`` when given (bf16: rounded by
+    :func:`~infinity.optim.split_master.round_bf16_`, the rounding every master format shares).
+
+    A split master (``optimizer.master: remainder``): ``param`` is the int16 remainder and ``out`` the
+    bf16 parameter, read as well as written. Each chunk's fp32 master is joined from the two, updated,
+    and split back while in cache: bitwise the update of the fp32 master it represents.
+
+    bf16 moments (``optimizer.moments: bf16``): ``exp_avg`` / ``exp_avg_sq`` may be bf16; each chunk is
+    widened to fp32, updated by the same kernel and rounded back to nearest (even) while in cache.
     """
 
     def __init__(self, threads: int | None = None, chunk_numel: int = 1024 * 1024):
@@ -63,6 +79,7 @@ class CpuAdamW:
         self.threads = threads or default_adam_threads()
         self.chunk_numel = -(-chunk_numel // _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="infinity-adam") if self.threads > 1 else None
+        self._buffers = threading.local()   # per thread: a chunk's work buffers (see _work)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -95,9 +112,15 @@ class CpuAdamW:
                 raise ValueError(
                     f"CpuAdamW: {name} must be a contiguous CPU tensor of {numel} elements, "
                     f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
-        for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if t.dtype != torch.float32:
-                raise ValueError(f"CpuAdamW: {name} must be fp32, got {t.dtype}")
+        split = param.dtype == torch.int16
+        if split and (out is None or out.dtype != torch.bfloat16):
+            raise ValueError("CpuAdamW: an int16 param is a split master's remainder; it needs its bf16 "
+                             f"parameter as out, got {None if out is None else out.dtype}")
+        if param.dtype not in (torch.float32, torch.int16):
+            raise ValueError(f"CpuAdamW: param must be fp32 (or a split master's int16 remainder), got {param.dtype}")
+        for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype not in _MOMENT_DTYPES:
+                raise ValueError(f"CpuAdamW: {name} must be fp32 or bf16, got {t.dtype}")
         if numel == 0:
             return
         hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
@@ -117,18 +140,51 @@ class CpuAdamW:
         per_thread = math.ceil(numel / self.threads / _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
 
+    def _work(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's work buffer ``name`` of one work chunk, made on first use and kept: a fresh
+        multi-MB tensor per call would page-fault its way in every step."""
+        buffers = self._buffers.__dict__
+        if name not in buffers:
+            buffers[name] = torch.empty(min(self.chunk_numel, _WORK_CHUNK_NUMEL), dtype=dtype)
+        return buffers[name]
+
     def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
-        for s in range(lo, hi, self.chunk_numel):
-            e = min(hi, s + self.chunk_numel)
-            p = param[s:e]
+        split = param.dtype == torch.int16
+        # fp32 working chunks of what is stored narrower (a split master, bf16 moments) and the bf16
+        # rounding's int32 work buffer: this thread's, reused chunk after chunk and step after step
+        joined = self._work("joined", torch.float32) if split else None
+        scratch = self._work("scratch", torch.int32) if out is not None and out.dtype == torch.bfloat16 else None
+        wide = [self._work(name, torch.float32) if t.dtype != torch.float32 else None
+                for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
+        converts = joined is not None or scratch is not None or wide != [None, None]
+        stride = min(self.chunk_numel, _WORK_CHUNK_NUMEL) if converts else self.chunk_numel
+        for s in range(lo, hi, stride):
+            e = min(hi, s + stride)
+            p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
+            m, v = (t[s:e] if w is None else w[:e - s].copy_(t[s:e]) for t, w in zip((exp_avg, exp_avg_sq), wide))
             g = grad[s:e]
             if g.dtype != torch.float32:
                 g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
             if grad_scale != 1.0:
                 g = g * grad_scale   # a new chunk: the caller's gradient stays as it was
-            _adamw_chunk(p, g, exp_avg[s:e], exp_avg_sq[s:e], **hyper)
-            if out is not None:
-                out[s:e].copy_(p)
+            _adamw_chunk(p, g, m, v, **hyper)
+            for t, w, wide_chunk in ((exp_avg, wide[0], m), (exp_avg_sq, wide[1], v)):
+                if w is not None:
+                    t[s:e].copy_(wide_chunk)   # bf16 moments: round to nearest even
+            work = scratch[:e - s] if scratch is not None else None
+            if split:
+                split_bf16_(p, out[s:e], param[s:e], work)
+            elif out is not None:
+                write_param_(p, out[s:e], work)
+
+
+def write_param_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` = the fp32 ``master`` in ``out``'s dtype: bf16 by :func:`round_bf16_` (the rounding a split
+    master can invert, shared by every master format; ``scratch`` its int32 work buffer), other dtypes by
+    torch's conversion; returns ``out``."""
+    if out.dtype == torch.bfloat16:
+        return round_bf16_(master, out, scratch)
+    return out.copy_(master)
 
 
 def _adamw_chunk(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:

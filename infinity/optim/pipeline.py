@@ -49,7 +49,8 @@ from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import CpuAdamW, device_adamw_
+from infinity.optim.cpu_adam import CpuAdamW, device_adamw_, write_param_
+from infinity.optim.split_master import join_bf16_, split_bf16_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.host_pool import HostBufferPool
@@ -79,6 +80,8 @@ class ShardJob:
     (a consumed gradient: writing it home would be wasted I/O).
     ``drop`` names written store keys whose host copy is dropped once it is home (evicted, not
     cached): states streamed through a host budget too small to keep them until their next use.
+    ``master_is_remainder``: ``master`` is a split master's int16 remainder (``optimizer.master:
+    remainder``), so ``param_out`` is read as well as written: the fp32 master is the two joined.
     """
 
     name: str
@@ -92,6 +95,7 @@ class ShardJob:
     grad_scale: float = 1.0
     discard: tuple = ()
     drop: tuple = ()
+    master_is_remainder: bool = False
     _keys: list = field(default_factory=list, repr=False)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
@@ -356,7 +360,8 @@ class AdamPipeline:
                         if value not in seen:
                             # the new parameter overwrites all of the old one: claim, don't read it,
                             # unless the key also serves a field Adam reads (fp32: param is the master)
-                            overwrite = name == "param_out" and all(
+                            # and unless it holds half of a split master
+                            overwrite = name == "param_out" and not job.master_is_remainder and all(
                                 getattr(job, other) != value for other in _FIELDS if other != name)
                             seen[value] = self._bring_pinned(value, overwrite)
                             with self._progress:
@@ -502,6 +507,8 @@ class AdamPipeline:
                 out, staging = self._staging_buffer(final)
             else:
                 out = torch.empty(final.shape, dtype=final.dtype, device=dev)
+            if job.master_is_remainder:
+                out.copy_(final)   # the parameter is half of the master: Adam reads it (CUDA: blocking)
         for group, lo, hi in job.ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
@@ -510,11 +517,19 @@ class AdamPipeline:
                                 step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                 weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
             else:   # CUDA-only: states in device memory, updated there by torch's fused kernel
-                device_adamw_(master[lo:hi], grad[lo:hi].float() * job.grad_scale, t["exp_avg"][lo:hi],
-                       t["exp_avg_sq"][lo:hi], step=h["step"], lr=h["lr"], beta1=h["betas"][0],
-                       beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
-                if o is not None:
-                    o.copy_(master[lo:hi])
+                m32 = join_bf16_(o, master[lo:hi], torch.empty(hi - lo, dtype=torch.float32, device=dev)) \
+                    if job.master_is_remainder else master[lo:hi]
+                moments = (t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi])
+                wide = [x.float() for x in moments]   # the math is fp32 whatever the moments' stored format
+                device_adamw_(m32, grad[lo:hi].float() * job.grad_scale, *wide, step=h["step"], lr=h["lr"],
+                              beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
+                for x, w in zip(moments, wide):
+                    if x is not w:
+                        x.copy_(w)
+                if job.master_is_remainder:
+                    split_bf16_(m32, o, master[lo:hi])
+                elif o is not None:
+                    write_param_(m32, o)
         if to_device:
             # off the compute thread; the copy's closure holds `out` alive until it has landed
             return final, _Staged(out, self._device_copier(final).to_device(final, out), staging)

@@ -60,6 +60,8 @@ from infinity.comm.collectives import Collectives, make_collectives
 from infinity.comm.unit_collectives import UnitCollectives
 from infinity.comm.zeropp import ZeroPlusPlus, set_node_layout
 from infinity.config import Config
+from infinity.optim.cpu_adam import write_param_
+from infinity.optim.split_master import remainder_of
 from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import TensorStore
@@ -74,7 +76,7 @@ from infinity.zero.lifecycle import STEP_MOVES, StepPhase
 from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory, rss_bytes
-from infinity.zero.placement import Placement
+from infinity.zero.placement import MOMENT_DTYPES, Placement
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
 from infinity.zero.store_shard import store_shards
@@ -212,7 +214,8 @@ class ZeroEngine:
         """Broadcast rank 0's values, make parameters views of the full buffer, put this rank's shard home."""
         self.coll.broadcast(flat32, src=0)  # every rank starts from rank 0's weights, as DDP does
         fp32 = self.param_dtype == torch.float32
-        full = flat32 if fp32 else flat32.to(self.param_dtype)
+        # bf16: the rounding every master format shares (a split master can invert it), as each step rounds
+        full = flat32 if fp32 else write_param_(flat32, torch.empty_like(flat32, dtype=self.param_dtype))
         for slot, p in zip(unit.slots, unit.params):
             p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
@@ -226,9 +229,13 @@ class ZeroEngine:
             # an in-memory master must own its bytes (a view would keep the whole fp32 buffer alive);
             # a stored one is copied by the store anyway
             master = flat32[lo:hi]
-            shard.put(TensorClass.MASTER, master if self.placement.optimizer is not None else master.clone())
-        shard.put_zeros(TensorClass.EXP_AVG, unit.shard_numel, torch.float32, self.device)
-        shard.put_zeros(TensorClass.EXP_AVG_SQ, unit.shard_numel, torch.float32, self.device)
+            if self.placement.split_master:   # only the remainder is kept: the parameter holds the rest
+                master = remainder_of(master)
+            shard.put(TensorClass.MASTER, master if self.placement.optimizer is not None or
+                      self.placement.split_master else master.clone())
+        moments = MOMENT_DTYPES[self.placement.moments_format]   # optimizer.moments
+        shard.put_zeros(TensorClass.EXP_AVG, unit.shard_numel, moments, self.device)
+        shard.put_zeros(TensorClass.EXP_AVG_SQ, unit.shard_numel, moments, self.device)
         unit.shard, unit.full_param = shard, full
         if self.policy.shard_params:
             self.gathers.release(unit)

@@ -22,12 +22,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from infinity.config import Config, ConfigError, format_size
 from infinity.store import Tier
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
-__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
+__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES", "MOMENT_ITEMSIZES",
+           "MOMENT_DTYPES"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
@@ -36,6 +39,9 @@ CHUNK_ALIGN_NUMEL = 4096
 RESIDENT_RESERVE_JOBS = 4
 
 OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
+# bytes per element of each Adam moment, by ``optimizer.moments``; the dtype it is stored in
+MOMENT_ITEMSIZES = {"fp32": 4, "bf16": 2}
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def store_key(unit_index: int, cls: TensorClass, chunk: int | None = None) -> str:
@@ -68,6 +74,10 @@ class Placement:
     defer_grad_writes: bool = False
     # NVMe-homed chunks kept in host memory for good (``offload.host_resident_bytes``): "auto" or bytes
     host_resident: object = 0
+    # ``optimizer.master``: "remainder" stores the fp32 master as an int16 remainder beside the bf16 parameter
+    master_format: str = "fp32"
+    # ``optimizer.moments``: the stored dtype of Adam's two moments ("fp32" or "bf16")
+    moments_format: str = "fp32"
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
@@ -75,7 +85,8 @@ class Placement:
         off = config.offload
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
                    chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward,
-                   host_resident=off.host_resident_bytes)
+                   host_resident=off.host_resident_bytes, master_format=config.optimizer.master,
+                   moments_format=config.optimizer.moments)
 
     @property
     def any_offload(self) -> bool:
@@ -107,11 +118,28 @@ class Placement:
         """
         return param_is_fp32 and self.params == self.optimizer
 
+    @property
+    def split_master(self) -> bool:
+        """The master is stored as a 16-bit remainder of the bf16 parameter (``optimizer.master: remainder``)."""
+        return self.master_format == "remainder"
+
+    def master_itemsize(self, param_itemsize: int) -> int:
+        """Stored bytes per element of the master: 0 when it is the parameter, 2 as a remainder, else 4."""
+        if self.master_is_param(param_itemsize == 4):
+            return 0
+        return 2 if self.split_master else 4
+
+    @property
+    def moment_itemsize(self) -> int:
+        """Stored bytes per element of each Adam moment (``optimizer.moments``)."""
+        return MOMENT_ITEMSIZES[self.moments_format]
+
     def stored_itemsizes(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
         """Bytes per element of each class this placement stores (host or NVMe), as one optimizer job
         brings them: ``{TensorClass: itemsize}``; a master that is the parameter counts once."""
-        sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: 4, TensorClass.EXP_AVG_SQ: 4,
-                 TensorClass.MASTER: 0 if self.master_is_param(param_itemsize == 4) else 4,
+        moment = self.moment_itemsize
+        sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: moment, TensorClass.EXP_AVG_SQ: moment,
+                 TensorClass.MASTER: self.master_itemsize(param_itemsize),
                  TensorClass.GRAD: reduce_itemsize}
         if StagePolicy.of(stage).grads_in_arena:
             sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena

@@ -54,6 +54,7 @@ class ShardUpdate:
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer)
         self.overlap = OverlappedStep(rank) if cfg.overlap_backward else None
+        self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
         self._post_gathers: collections.deque = collections.deque()
@@ -123,7 +124,7 @@ class ShardUpdate:
                 None if alias else s.job_field(TensorClass.PARAM, c),
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
                 on_done, grad_scale=grad_scale, discard=s.consumed_after_update(c),
-                drop=s.dropped_after_update(c)))
+                drop=s.dropped_after_update(c), master_is_remainder=self.split_master))
             self._owner[jobs[-1].name] = unit
         return jobs
 

@@ -144,3 +144,27 @@ def test_properties_any_size(psi, n, precision):
         assert m.device_bytes + m.host_bytes + m.nvme_bytes == zero3_total   # offload moves, never adds
         assert est[name].comm == est["zero3"].comm
     assert 16 * psi <= zero3_total * n < 16 * (psi + n)     # shards cover psi with < one element of padding each
+
+
+def test_stored_formats_shrink_the_optimizer_state():
+    """A remainder master is 2 B/param, bf16 moments 2 B each: 12 B of mixed-precision optimizer state
+    becomes 10, 8 or 6; fp32 parameters are their own master; the config's formats reach its estimate."""
+    from infinity.estimate.strategies import estimate_config, format_rows, state_bytes
+
+    assert state_bytes("mixed") == MIXED and state_bytes("fp32") == FP32
+    assert state_bytes("mixed", "remainder").optimizer == 10
+    assert state_bytes("mixed", "fp32", "bf16").optimizer == 8
+    assert state_bytes("mixed", "remainder", "bf16").total == 10
+    assert state_bytes("fp32", "fp32", "bf16") == type(FP32)(4, 4, 4)
+    with pytest.raises(ValueError, match="remainder master needs mixed"):
+        state_bytes("fp32", "remainder")
+    rows = {(r["master"], r["moments"]): r for r in format_rows("mixed")}
+    assert rows[("fp32", "fp32")]["nvme"] == 14 and rows[("remainder", "bf16")]["nvme"] == 8
+    # the remainder's update reads the bf16 parameter it joins, which the fp32 master's only writes
+    assert rows[("remainder", "fp32")]["optimizer_read"] == 12 and rows[("remainder", "fp32")]["optimizer_write"] == 12
+    cfg = Config.from_dict({"zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
+                            "optimizer": {"master": "remainder", "moments": "bf16"},
+                            "offload": {"optimizer": "nvme", "params": "nvme", "grads": "host"},
+                            "tiers": {"nvme_path": "/tmp/unused"}})
+    e = estimate_config(cfg, 1000, 1)
+    assert e.memory.nvme_bytes == 1000 * 8 and e.memory.host_bytes == 1000 * 2

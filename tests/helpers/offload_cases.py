@@ -102,12 +102,19 @@ def train_case(spec: dict) -> dict:
         with engine.gathered():
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None
         store = engine.store.stats()
+        pl = engine.placement
+        itemsizes = pl.stored_itemsizes(engine.stage, engine.param_dtype.itemsize, engine.reduce_dtype.itemsize)
+        accounting = {"shard_numel": sum(u.shard_numel for u in engine.units),   # what the placement says it stores
+                      "itemsizes": {c.value: n for c, n in itemsizes.items()},
+                      "homes": {c.value: pl.home(c).value for c in itemsizes},
+                      # NVMe-homed states streamed through host memory (else kept there between steps)
+                      "streamed": any(getattr(u.shard, "stream_states", False) for u in engine.units)}
         if spec.get("trace_step") is not None:
             engine.tracer.dump(os.path.join(spec["tmp"], f"trace_rank{rank}.json"))
     finally:
         engine.close()
     return {"losses": losses, "norms": norms, "params": params, "stats": stats, "store": store,
-            "diverged": engine.prefetcher.steps_diverged}
+            "diverged": engine.prefetcher.steps_diverged, "accounting": accounting}
 
 
 def many(specs: list) -> list:

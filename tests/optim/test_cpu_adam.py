@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from infinity.optim.cpu_adam import CpuAdamW, _adamw_chunk
+from infinity.optim.split_master import round_bf16_
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -36,7 +37,7 @@ def test_matches_torch_fused_adamw_bitwise(numel, threads, chunk):
         torch.set_num_threads(saved_threads)
         adam.close()
     assert torch.equal(p, ref_p) and torch.equal(m, ref_m) and torch.equal(v, ref_v)
-    assert torch.equal(out, p.to(torch.bfloat16))
+    assert torch.equal(out, as_bf16(p))   # the project's bf16 rounding of a master
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
@@ -164,3 +165,8 @@ def test_the_fused_branch_is_torchs_fused_adamw(monkeypatch):
         device_adamw_(p, g, m, v, step=step, lr=HYPER["lr"], beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
                       eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
     assert torch.equal(p, want_p) and torch.equal(m, want_m) and torch.equal(v, want_v)
+
+
+def as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """A master rounded to bf16 the way every master format rounds it (ties away from zero)."""
+    return round_bf16_(t.contiguous(), torch.empty(t.shape, dtype=torch.bfloat16))

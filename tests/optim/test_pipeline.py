@@ -7,6 +7,7 @@ from fake_registrar import RecordingRegistrar
 from infinity.config import IOConfig, TiersConfig
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.pipeline import AdamPipeline, ShardJob
+from infinity.optim.split_master import round_bf16_
 from infinity.store import TensorStore, Tier
 from infinity.trace import Tracer
 
@@ -73,7 +74,7 @@ def test_matches_torch_adamw(tmp_path, home, lowp, host_kib):
             got = store.wait(store.bring(f"u{i}.master", Tier.HOST)).clone()
             assert torch.equal(got, want), f"shard {i} master differs"
             if lowp:
-                assert torch.equal(store.wait(store.bring(f"u{i}.param", Tier.HOST)), want.to(torch.bfloat16))
+                assert torch.equal(store.wait(store.bring(f"u{i}.param", Tier.HOST)), as_bf16(want))
             for k, name in ((0, "exp_avg"), (1, "exp_avg_sq")):
                 st = [opt.state[lv[0]][name], opt.state[lv[1]][name]]
                 assert torch.equal(store.wait(store.bring(f"u{i}.{name}", Tier.HOST)), torch.cat(st))
@@ -176,7 +177,7 @@ def test_device_tensors_cross_through_the_copier(tmp_path):
             pipe.run(jobs, lambda gi, step=step: dict(HYPER[gi], step=step))
             assert [i for i, _ in done] == list(range(n))
             for i, p in done:
-                assert torch.equal(p, ref[i].to(torch.bfloat16)), f"step {step}: on_done saw a stale shard {i}"
+                assert torch.equal(p, as_bf16(ref[i])), f"step {step}: on_done saw a stale shard {i}"
             staging = pipe._staging.stats()
             assert staging["in_use_bytes"] == 0, f"step {step}: staging buffers were not given back"
             assert staging["pinned_bytes"] == reg.locked_bytes == pipe.last_stats["staging_pinned_bytes"] > 0
@@ -189,5 +190,62 @@ def test_device_tensors_cross_through_the_copier(tmp_path):
         pipe.close()
         assert reg.locked_bytes == 0, "closing the pipeline left staging memory page-locked"
         for i in range(n):
-            assert torch.equal(params_dev[i], ref[i].to(torch.bfloat16))
+            assert torch.equal(params_dev[i], as_bf16(ref[i]))
             assert torch.equal(store.wait(store.bring(f"u{i}.master", Tier.HOST)), ref[i])
+
+
+def as_bf16(t: torch.Tensor) -> torch.Tensor:
+    """A master rounded to bf16 the way every master format rounds it (ties away from zero)."""
+    return round_bf16_(t.contiguous(), torch.empty(t.shape, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("param_home", ["nvme", "device"])
+def test_a_split_master_job_is_bitwise_the_fp32_master_job(tmp_path, param_home):
+    """A job whose master is the int16 remainder of its bf16 parameter (``master_is_remainder``) reads the
+    parameter, stored (brought, not claimed) or in device memory (staged to host before the update): two
+    steps give the fp32-master job's parameters, moments and, joined, its master bit for bit."""
+    from infinity.optim.split_master import join_bf16_, split_bf16_
+
+    n, steps = 3, 2
+    with _store(tmp_path / "fp32", 4096 * 1024) as ref_store, _store(tmp_path / "split", 4096 * 1024) as store:
+        params, ref_jobs = _make(ref_store, n, "nvme", True)
+        jobs, dev = [], []
+        for i, p in enumerate(params):
+            bf16, remainder = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.int16)
+            split_bf16_(p.clone(), bf16, remainder)
+            store.wait(store.register(f"u{i}.master", remainder, home="nvme"))
+            for name in ("exp_avg", "exp_avg_sq", "grad"):
+                store.wait(store.register(f"u{i}.{name}", (NUMEL,), dtype=torch.float32, home="nvme"))
+            if param_home == "nvme":
+                store.wait(store.register(f"u{i}.param", bf16, home="nvme"))
+            dev.append(bf16)
+            jobs.append(ShardJob(f"u{i}", f"u{i}.master", f"u{i}.exp_avg", f"u{i}.exp_avg_sq", f"u{i}.grad",
+                                 f"u{i}.param" if param_home == "nvme" else bf16,
+                                 [(0, 0, NUMEL // 2), (1, NUMEL // 2, NUMEL)], master_is_remainder=True))
+        # the fp32 reference's parameters start as the same rounding of the master
+        for i, p in enumerate(params):
+            with ref_store.use(f"u{i}.param", Tier.HOST, dirty=True) as t:
+                t.copy_(dev[i])
+        ref_pipe = AdamPipeline(ref_store, CpuAdamW(threads=2, chunk_numel=4096), lookahead=2)
+        pipe = AdamPipeline(store, CpuAdamW(threads=2, chunk_numel=4096), lookahead=2,
+                            copy_cpu_tensors=param_home == "device", host_registrar=RecordingRegistrar())
+        for step in range(1, steps + 1):
+            _set_grads(ref_store, n, step)
+            _set_grads(store, n, step)
+            if param_home == "nvme":   # only on disk: the update must read it, a claim would see stale bytes
+                for i in range(n):
+                    store.wait(store.evict(f"u{i}.param", Tier.HOST))
+            for p_, j in ((ref_pipe, ref_jobs), (pipe, jobs)):
+                p_.run(j, lambda gi, step=step: dict(HYPER[gi], step=step))
+        for i in range(n):
+            want_param = ref_store.wait(ref_store.bring(f"u{i}.param", Tier.HOST))
+            got_param = store.wait(store.bring(f"u{i}.param", Tier.HOST)) if param_home == "nvme" else dev[i]
+            assert torch.equal(got_param.view(torch.int16), want_param.view(torch.int16)), f"shard {i} parameter"
+            master = join_bf16_(got_param.clone(), store.wait(store.bring(f"u{i}.master", Tier.HOST)).clone(),
+                                torch.empty(NUMEL))
+            assert torch.equal(master, ref_store.wait(ref_store.bring(f"u{i}.master", Tier.HOST))), f"shard {i} master"
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(store.wait(store.bring(f"u{i}.{name}", Tier.HOST)),
+                                   ref_store.wait(ref_store.bring(f"u{i}.{name}", Tier.HOST)))
+        ref_pipe.close()
+        pipe.close()

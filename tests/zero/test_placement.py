@@ -39,3 +39,31 @@ def test_placement_follows_every_accepted_config(stage, opt, params, grads, fp32
 def test_store_keys_are_per_unit_and_class():
     assert store_key(3, TensorClass.EXP_AVG_SQ) == "u3.exp_avg_sq"
     assert len({store_key(u, c) for u in range(4) for c in TensorClass}) == 4 * len(TensorClass)
+
+
+def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
+    """optimizer.master remainder stores 2 B of master per element, moments bf16 2 B each: the byte
+    accounting, the chunk size that fits offload.chunk_bytes and the host minimum all follow."""
+    from types import SimpleNamespace
+
+    def placement(master, moments):
+        return Placement.from_config(Config.from_dict({
+            "zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
+            "optimizer": {"master": master, "moments": moments},
+            "offload": {"optimizer": "nvme", "params": "nvme", "grads": "host", "chunk_bytes": 4096 * 64},
+            "tiers": {"nvme_path": "/tmp/unused"}}))
+
+    want = {("fp32", "fp32"): (4, 4), ("remainder", "fp32"): (2, 4), ("fp32", "bf16"): (4, 2),
+            ("remainder", "bf16"): (2, 2)}
+    units = [SimpleNamespace(index=0, name="u0", shard_numel=4096 * 100, is_root=False)]
+    for (master, moments), (master_b, moment_b) in want.items():
+        pl = placement(master, moments)
+        sizes = pl.stored_itemsizes(3, 2, 4)
+        assert sizes == {TensorClass.PARAM: 2, TensorClass.MASTER: master_b, TensorClass.EXP_AVG: moment_b,
+                         TensorClass.EXP_AVG_SQ: moment_b, TensorClass.GRAD: 4}, (master, moments)
+        per_element = 2 + master_b + 2 * moment_b + 4
+        chunk = pl.chunk_numel(3, 2, 4)
+        assert chunk == 4096 * 64 // per_element // 4096 * 4096
+        host, _ = pl.min_budgets(units, 3, 2, 4)[Tier.HOST]
+        # host-homed gradients + one job of the NVMe-homed classes, one chunk each
+        assert host == 4 * 4096 * 100 + (per_element - 4) * chunk
