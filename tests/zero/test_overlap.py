@@ -261,8 +261,8 @@ def test_second_backward_is_refused_and_the_step_still_applies_the_first(worlds,
     ref = worlds(2).run(misuse, dict(base, overlap=False, kind="once", tmp=str(tmp_path / "ref")))[0]
     got = worlds(2).run(misuse, dict(base, overlap=True, kind="second_backward", tmp=str(tmp_path / "twice")))[0]
     assert got["error"].startswith("backward() on rank 0 before optimizer.step(): optimizer.overlap_backward "
-                                   "applies the update in backward: one backward per step; use "
-                                   "overlap_backward: false for gradient accumulation"), got["error"]
+                                   "applies the update in the step's last backward (schedule.accum_steps "
+                                   "backwards per step, or the first outside engine.no_sync())"), got["error"]
     assert ref["error"] is None
     for name, p in ref["params"].items():
         assert torch.equal(got["params"][name], p), f"{name}: the refused backward changed the step"
@@ -272,26 +272,27 @@ def test_stage3_forward_before_step_is_refused(worlds, tmp_path):
     """Stage 3: the second forward would gather units whose update is running; refused there."""
     spec = dict(BASE, **PLACEMENTS[0][1], overlap=True, kind="second_backward", tmp=str(tmp_path / "s3"))
     got = worlds(1).run(misuse, spec)[0]
-    assert "before optimizer.step()" in got["error"] and "one backward per step" in got["error"], got["error"]
+    assert "before optimizer.step()" in got["error"] and "the step's last backward" in got["error"], got["error"]
 
 
-def test_clip_grad_norm_is_refused(worlds, tmp_path):
+def test_clip_grad_norm_is_refused_in_backward_mode(worlds, tmp_path):
     spec = dict(BASE, **PLACEMENTS[0][1], overlap=True, kind="clip", tmp=str(tmp_path / "clip"))
     got = worlds(1).run(misuse, spec)[0]
-    assert "clip_grad_norm_() on rank 0 with optimizer.overlap_backward" in got["error"], got["error"]
+    assert "clip_grad_norm_() on rank 0 with optimizer.overlap_mode backward" in got["error"], got["error"]
     assert "clipping needs every gradient before any update" in got["error"]
 
 
 @pytest.mark.parametrize("change,needs", [
     (dict(zero={"stage": 1}), "needs zero.stage >= 2"),
     (dict(offload={"optimizer": "none"}), "needs offload.optimizer host or nvme"),
-    (dict(precision={"param_dtype": "fp16"}), "not with precision.param_dtype fp16"),
+    (dict(precision={"param_dtype": "fp16"}, optimizer={"overlap_mode": "backward"}),
+     "overlap_mode backward is not for precision.param_dtype fp16"),
 ])
 def test_config_refusals_at_initialize(tmp_path, change, needs):
     cfg = {"zero": {"stage": 2}, "offload": {"optimizer": "host"},
            "optimizer": {"overlap_backward": True}}
     for section, keys in change.items():
-        cfg.setdefault(section, {}).update(keys)
+        cfg[section] = dict(cfg.get(section, {}), **keys)
     model = offload_cases.build("gpt")
     with pytest.raises(ConfigError, match=f"^optimizer.overlap_backward: {needs}"):
         infinity.initialize(model, cfg)
