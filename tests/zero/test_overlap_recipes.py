@@ -16,6 +16,7 @@ skipped steps and parameters bitwise equal (the arithmetic is the same, only its
 from __future__ import annotations
 
 import contextlib
+import errno
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 import infinity
 import offload_cases
 import zero_cases
+from failure_cases import wait_store_idle
 from zero_cases import global_batch, param_groups
 
 SMALL = dict(host_bytes=(192 + 124 + 64) * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024)
@@ -153,3 +155,173 @@ def test_recipes_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
         for a, b in zip(r[1::2], results[1::2]):
             assert [s["submitted_in_backward"] for s in a["stats"]] == \
                 [s["submitted_in_backward"] for s in b["stats"]]
+
+
+# ---------------------------------------------------------------- next_forward: when the update is waited for
+
+def _start(spec: dict, overlap: bool = True):
+    cfg = offload_cases.offload_config(spec, *_rank_world())
+    cfg["optimizer"].update(overlap_backward=overlap)
+    cfg["schedule"] = {"clip_grad_norm": spec.get("clip", CLIP)}
+    model = offload_cases.build("gpt", 0)
+    model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
+    return model, opt, infinity.engine_of(model)
+
+
+def _step(model, opt, step: int, batch: int = 8) -> float:
+    ids = global_batch(step, batch)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.clip_grad_norm_(CLIP)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _params(model, engine) -> dict:
+    with engine.gathered():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", ["s3-nvme", "s2-nvme"])
+def test_the_next_forward_waits_for_each_unit_just_before_it_runs(tmp_path, placement):
+    """After ``step()`` every unit's update is launched, none waited for; at each block's forward the
+    root and the blocks before it (and it) have been waited for, the blocks after it not yet; after the
+    forward nothing is pending and the step's stats carry the update's times."""
+    spec = {**BASE, **PLACEMENTS[placement], "tmp": str(tmp_path)}
+    model, opt, engine = _start(spec)
+    seen = []
+    try:
+        _step(model, opt, 0)
+        assert engine.update.pending
+        blocks = [u for u in engine.units if not u.is_root]
+        root = next(u for u in engine.units if u.is_root)
+        assert all(engine.update.overlap.waiting(u.index) for u in engine.units)
+        for unit in blocks:   # registered after the engine's hook: runs once it has waited
+            unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: seen.append(
+                    (unit.index, engine.update.overlap.waiting(root.index),
+                     [engine.update.overlap.waiting(u.index) for u in blocks])))
+        launched = engine.stats.last_step["offload"]
+        assert launched["update_deferred"] and "update_wait_s" not in launched
+        _step(model, opt, 1)
+        assert launched["update_wait_s"] >= 0 and launched["adam_s"] > 0
+    finally:
+        engine.close()
+    first = seen[:len(blocks)]   # the forward right after the launched step
+    for i, (index, root_waiting, waiting) in enumerate(first):
+        assert index == blocks[i].index and not root_waiting
+        assert waiting == [j > i for j in range(len(blocks))], first
+
+
+FLUSHES = ("state_dict", "save", "gathered", "close")
+
+
+def flushed(spec: dict) -> dict:
+    """Two steps; right after the second ``step()`` one thing that reads every shard: its parameters."""
+    model, opt, engine = _start(spec, overlap=spec["overlap"])
+    for step in range(2):
+        _step(model, opt, step)
+    pending = engine.update.pending
+    how = spec["flush"]
+    try:
+        if how == "state_dict":   # stage 2: the full parameters
+            params = {n: t.float().clone() for n, t in model.state_dict().items()}
+        elif how == "save":
+            infinity.save_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+            fresh, fresh_opt, fresh_engine = _start(dict(spec, tmp=spec["tmp"] + "/fresh"), overlap=False)
+            try:
+                infinity.load_checkpoint(spec["tmp"] + "/ckpt", fresh, fresh_opt)
+                params = _params(fresh, fresh_engine)
+            finally:
+                fresh_engine.close()
+        elif how == "gathered":
+            params = _params(model, engine)
+        else:
+            engine.close()   # stage 2: parameters stay readable views of the full buffers
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    finally:
+        engine.close()
+    return {"pending": pending, "params": params}
+
+
+def test_a_save_state_dict_gathered_and_close_wait_for_the_launched_update(tmp_path):
+    """Each reader of every shard right after a next_forward ``step()`` sees that step's parameters,
+    bitwise those of the plain step."""
+    base = {**BASE, **PLACEMENTS["s2-nvme"]}
+    ref = flushed(dict(base, overlap=False, flush="gathered", tmp=str(tmp_path / "ref")))
+    assert not ref["pending"]
+    for how in FLUSHES:
+        got = flushed(dict(base, overlap=True, flush=how, tmp=str(tmp_path / how)))
+        assert got["pending"], how
+        assert got["params"].keys() >= ref["params"].keys(), how
+        for name, p in ref["params"].items():
+            assert torch.equal(got["params"][name], p), f"{how}: {name}"
+
+
+# ---------------------------------------------------------------- next_forward: faults
+
+def faulted(spec: dict) -> dict:
+    """Steps 0-3; a checkpoint after step 1; ``fault`` ("raise" / "enospc") hits step 2's launched
+    update, so step 3's forward raises; then zero_grad is refused, the checkpoint is loaded and steps
+    2-3 run again."""
+    model, opt, engine = _start(spec, overlap=spec["overlap"])
+    out = {"error": None, "refused": None}
+    try:
+        for step in range(4):
+            if step == 2 and spec.get("fault"):
+                ids = global_batch(step, 8)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.clip_grad_norm_(CLIP)
+                real, calls = engine.update.adam.step_, []
+                if spec["fault"] == "raise":
+
+                    def failing(*args, **kwargs):
+                        calls.append(1)
+                        if len(calls) == 2:
+                            raise RuntimeError("injected failure in the launched update")
+                        return real(*args, **kwargs)
+                    engine.update.adam.step_ = failing
+                else:
+                    wait_store_idle(engine.store)
+                    engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
+                opt.step()   # launches, returns
+                opt.zero_grad()
+                try:
+                    with pytest.raises((RuntimeError, OSError)) as err:
+                        _step(model, opt, 3)
+                    out["error"] = str(err.value)
+                    out["notes"] = getattr(err.value, "__notes__", [])
+                    with pytest.raises(RuntimeError) as refused:
+                        opt.zero_grad()
+                    out["refused"] = str(refused.value)
+                finally:
+                    engine.update.adam.step_ = real
+                    engine.store._engine.syscalls.clear()
+                infinity.load_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+                for again in (2, 3):
+                    _step(model, opt, again)
+                break
+            _step(model, opt, step)
+            if step == 1:
+                infinity.save_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+        out["params"] = _params(model, engine)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["raise", "enospc"])
+def test_a_launched_update_that_fails_is_reported_and_the_last_checkpoint_loses_nothing(tmp_path, fault):
+    """An exception (or ENOSPC) inside the update ``step()`` launched: the next forward raises it with
+    a note saying the state is not a whole step, zero_grad is refused, and after loading the last
+    checkpoint the run ends bitwise where a run without the fault ends."""
+    base = {**BASE, **PLACEMENTS["s3-nvme"], "scheduler": False}
+    ref = faulted(dict(base, overlap=False, tmp=str(tmp_path / "ref")))
+    got = faulted(dict(base, overlap=True, fault=fault, tmp=str(tmp_path / fault)))
+    expected = "injected failure in the launched update" if fault == "raise" else "No space left on device"
+    assert expected in got["error"], got["error"]
+    assert any("failed part-way" in n and "load the last checkpoint" in n for n in got["notes"]), got["notes"]
+    assert "failed part-way" in got["refused"], got["refused"]
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), f"{fault}: {name}"
