@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -325,3 +330,20 @@ def test_a_launched_update_that_fails_is_reported_and_the_last_checkpoint_loses_
     assert "failed part-way" in got["refused"], got["refused"]
     for name, p in ref["params"].items():
         assert torch.equal(got["params"][name], p), f"{fault}: {name}"
+
+
+def test_sigkill_inside_a_launched_update_then_resume_loses_nothing(tmp_path):
+    """A process SIGKILLed while the update its step() launched runs (one unit's Adam done): a new
+    process resumes from the last checkpoint and ends bitwise where a run without overlap ends."""
+    script = Path(__file__).resolve().parents[1] / "helpers" / "overlap_kill_script.py"
+
+    def run(mode: str) -> int:
+        return subprocess.run([sys.executable, str(script), mode, str(tmp_path)], timeout=300,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
+
+    assert run("kill") == -signal.SIGKILL
+    assert (tmp_path / "ckpt").exists() and not (tmp_path / "kill.pt").exists()
+    assert run("resume") == 0 and run("straight") == 0
+    resumed, straight = torch.load(tmp_path / "resume.pt"), torch.load(tmp_path / "straight.pt")
+    for name, p in straight.items():
+        assert torch.equal(resumed[name], p), name
