@@ -123,9 +123,11 @@ def main(argv=None) -> int:
     for variant in a.variants.split(","):
         results[variant] = run_variant(a, variant)
     med = {v: statistics.median(r["step_s"] for r in res["rows"][a.warmup:]) for v, res in results.items()}
+    phases = {v: {k: statistics.median(r[k] for r in res["rows"][a.warmup:])
+                  for k in ("forward_s", "backward_s", "optimizer_s")} for v, res in results.items()}
     out = {"workload": {k: getattr(a, k) for k in ("size", "host_bytes", "device_bytes", "accum", "warmup", "steps",
-                                                   "set", "seq", "mbs")},
-           "median_step_s": med, "results": results}
+                                                   "set", "seq", "mbs", "variants")},
+           "median_step_s": med, "median_phase_s": phases, "results": results}
     if "plain" in med:
         out["over_plain"] = {v: m / med["plain"] for v, m in med.items()}
     if "next_forward" in med and "backward" in med:
@@ -137,7 +139,9 @@ def main(argv=None) -> int:
         print(json.dumps(out, indent=1))
     else:
         for v, m in med.items():
-            print(f"{v:14s} {m:7.2f} s/step" + (f"  {out['over_plain'][v]:.2f}x plain" if "over_plain" in out else ""))
+            ph = phases[v]
+            print(f"{v:14s} {m:7.2f} s/step (fwd {ph['forward_s']:.2f} bwd {ph['backward_s']:.2f} step "
+                  f"{ph['optimizer_s']:.2f})" + (f"  {out['over_plain'][v]:.2f}x plain" if "over_plain" in out else ""))
         for k in ("clipped_overlap_over_unclipped_overlap", "clipped_losses_equal"):
             if k in out:
                 print(f"{k}: {out[k]}")
