@@ -299,7 +299,8 @@ class ZeroEngine:
 
     def settle_update(self) -> None:
         """Wait for an update ``optimizer.step()`` launched (``overlap_mode`` next_forward) to finish:
-        before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``)."""
+        before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``). At
+        stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
         self.update.settle()
 
     def unit_post_forward(self, unit, training: bool) -> None:
