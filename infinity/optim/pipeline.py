@@ -483,13 +483,18 @@ class AdamPipeline:
         next one to finish and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
         move = self.store.claim if overwrite else self.store.bring
-        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released)
+        # stopped (an error or abort): this thread gives up at once; the step's threads may already be
+        # detached from `running` by a join waiting for this one to exit
+        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released,
+                                    stopped=self._stop.is_set)
 
-    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool]):
+    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool], stopped: Callable | None = None):
         """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
         will release a shard, wait for that and try again. Otherwise, if the room is held by copies
         only a write can free (gradients left unwritten for updates not begun, whose swap-in may itself
-        wait for this room), write some home (``store.spill``) and try again; else the error stands."""
+        wait for this room), write some home (``store.spill``) and try again; else the error stands.
+        ``stopped()`` True ends the retries (default: this step was stopped while still running)."""
+        stopped = stopped or (lambda: self.running and self._stop.is_set())
         while True:
             with self._progress:
                 released = self._released
@@ -501,7 +506,7 @@ class AdamPipeline:
                     # after an error or abort the compute thread releases nothing more
                     while waiting and self._released == released and not self._stop.is_set():
                         self._progress.wait()
-                    if self.running and self._stop.is_set():   # a stopped step's leftovers: not retried
+                    if stopped():   # a stopped step's leftovers: not retried
                         if self._error is not None:   # the pipeline failed: its cause, not the room it held
                             raise self._error from e
                         raise

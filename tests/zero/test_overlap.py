@@ -416,3 +416,42 @@ def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_pa
     assert written == [12 * numel] * 3, (written, numel)
     written, numel = step_writes(False)
     assert all(w >= 16 * numel for w in written), (written, numel)
+
+
+def test_a_failed_update_while_the_swap_in_waits_for_room_ends_the_step(tmp_path):
+    """The compute thread raises while the swap-in thread waits for host room that only the compute
+    thread would free: the swap-in gives up too, and finish() raises the error instead of hanging."""
+    from infinity.optim.cpu_adam import CpuAdamW
+    from infinity.optim.pipeline import AdamPipeline
+    store, jobs = _pipeline_store(tmp_path, host_bytes=72 * 1024, n=3)   # one job's states fit, not two
+    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=2)
+
+    def hyper(gi):
+        raise RuntimeError("injected failure in the update")
+
+    real_bring = store.bring
+
+    def late_bring(key, tier, pin=False):
+        if key.startswith("u1."):   # job 1's swap-in runs into the full host tier only once finish() joins
+            _wait_until(lambda: not pipe.running)
+        return real_bring(key, tier, pin=pin)
+    store.bring = late_bring
+
+    errors = []
+
+    def finish():
+        try:
+            pipe.finish()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with store:
+        pipe.start(hyper)
+        for job in jobs:
+            pipe.submit(job)
+        t = threading.Thread(target=finish, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "finish() hung: the swap-in thread kept retrying for room after the failure"
+        assert errors == ["injected failure in the update"], errors
+        assert [t.name for t in threading.enumerate() if t.name in _THREADS] == []
