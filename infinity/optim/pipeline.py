@@ -236,6 +236,8 @@ class AdamPipeline:
             while not set(names) <= self._served:
                 landed = self._landed.get()
                 if landed is _END:   # before finish() only a failed step ends: join raises its error
+                    self._halt()
+                    self._jobs.put(None)   # the swap-in thread may wait for a job that will not come
                     self._join()
                     raise RuntimeError("AdamPipeline.wait_for: the step ended without the jobs "
                                        f"{sorted(set(names) - self._served)}")

@@ -54,8 +54,6 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
     config with ``precision.param_dtype: fp32`` for runs that must match
     plain PyTorch exactly. ``stage`` < 3 drops the parameter offload (only
     stage 3 shards parameters), stage 0 the optimizer offload too.
-    ``optimizer.overlap_backward`` is on at stages 2-3 (the optimizer is offloaded): with the
-    default clipping at 1.0 the update runs during the next forward (``overlap_mode`` auto), exact.
     """
     offload = dict(DEFAULT_OFFLOAD)
     if stage < 3:
@@ -65,8 +63,7 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
     return Config.from_dict({
         "zero": {"stage": stage},
         "precision": {"param_dtype": DEFAULT_PARAM_DTYPE, "reduce_dtype": "fp32"},
-        # the offloaded update overlaps compute (with the default clipping: during the next forward)
-        "optimizer": {"lr": DEFAULT_LR, "overlap_backward": stage >= 2},
+        "optimizer": {"lr": DEFAULT_LR},
         "offload": offload,
         "tiers": {"nvme_path": str(swap_dir)},
         "schedule": DEFAULT_SCHEDULE,

@@ -225,9 +225,9 @@ def test_bad_arguments_one_line_exit_2(argv, message, capsys, tmp_path, monkeypa
 
 
 def test_overlapped_update_with_accumulation_and_clipping_is_the_plain_one(capsys, tmp_path):
-    """The default config overlaps the offloaded update: with its clipping at 1.0 during the next
-    forward, with ``--clip-grad-norm 0`` during the last backward; with ``--accum 2`` either way
-    trains to the plain step's losses, bitwise, and the grad norms match."""
+    """The default config with ``optimizer.overlap_backward``: with its clipping at 1.0 the update runs
+    during the next forward, with ``--clip-grad-norm 0`` during the last backward; with ``--accum 2``
+    either way it trains to the plain step's losses, bitwise, and the grad norms match."""
     def run(name: str, overlap: bool, *extra) -> list:
         d = tmp_path / name
         d.mkdir()
@@ -240,7 +240,6 @@ def test_overlapped_update_with_accumulation_and_clipping_is_the_plain_one(capsy
         assert rc == 0, err
         return [(r["loss"], r.get("grad_norm")) for r in map(json.loads, (d / "m.jsonl").read_text().splitlines())]
 
-    assert default_config(tmp_path).optimizer.overlap_backward
     clipped = run("clip-off", False)
     assert run("clip-on", True) == clipped
     assert any(norm > 1.0 for _, norm in clipped), clipped   # the clip fired
