@@ -43,6 +43,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
 MASTER_FORMATS = ("fp32", "remainder")
 MOMENT_FORMATS = ("fp32", "bf16")
+OVERLAP_MODES = ("auto", "backward", "next_forward")
 
 
 class ConfigError(ValueError):
@@ -248,11 +249,17 @@ class OptimizerConfig:
     weight_decay: float = _f(0.1, _float(0.0), "decoupled weight decay")
     threads: Any = _f("auto", _int_or_auto(1), "CPU Adam threads; auto = cores / local ranks")
     overlap_backward: bool = _f(
-        False, _bool, "run each unit's Adam update (swap-in, CPU Adam, write-back) as soon as its gradient "
-        "shard is final during backward, instead of all at step(): hides the step's I/O behind backward. Needs "
-        "zero.stage >= 2 and offload.optimizer host or nvme; not with fp16 (the overflow check needs every "
-        "gradient first); one backward per step (no gradient accumulation) and no clip_grad_norm_; "
-        "hyper-parameters (lr) are read when the backward starts updating")
+        False, _bool, "overlap each unit's Adam update (swap-in, CPU Adam, write-back) with compute instead of "
+        "running them all at step(): hides the step's I/O. Needs zero.stage >= 2 and offload.optimizer host or "
+        "nvme; where it overlaps is optimizer.overlap_mode. Hyper-parameters (lr) are read when the first unit's "
+        "update starts (backward mode: set the lr before the step's last backward)")
+    overlap_mode: str = _f(
+        "auto", _choice(*OVERLAP_MODES), "with overlap_backward: backward = each unit updated during the step's "
+        "last backward (schedule.accum_steps says which) as soon as its gradient shard is final (hides ~2/3 of "
+        "the step's compute; no clip_grad_norm_, no fp16); next_forward = step() computes the clip coefficient "
+        "or fp16 overflow, then launches the updates in forward order and the next forward waits for each unit's "
+        "before using it (exact with clipping and fp16, hides ~1/3); auto = next_forward when "
+        "schedule.clip_grad_norm is set or precision.param_dtype is fp16, else backward")
     master: str = _f(
         "fp32", _choice(*MASTER_FORMATS), "stored format of the fp32 master weights. remainder (bf16 parameters "
         "only): the master is kept as a signed 16-bit remainder beside the bf16 parameter, exactly (training is "
@@ -335,6 +342,10 @@ class ScheduleConfig:
     clip_grad_norm: Any = _f(None, _optional_positive,
                              "clip the global gradient norm to this before each step; none = no clipping (costs "
                              "one pass over the gradients and one all-reduce)")
+    accum_steps: int = _f(1, _int(1), "backward passes (micro-batches) per optimizer step; infinity train's --accum "
+                          "and the Trainer's gradient_accumulation_steps set it. Only the overlapped update reads it: "
+                          "the accum_steps-th backward since the last step updates each unit as its gradient is final "
+                          "(engine.no_sync() marks a backward as not the last explicitly)")
 
 
 @dataclass(frozen=True)
@@ -514,6 +525,17 @@ class Config:
             d[name].update(changes)
         return Config.from_dict(d)
 
+    def update_overlap(self) -> str:
+        """Where the offloaded update overlaps compute: ``off``, ``backward`` or ``next_forward``
+        (``optimizer.overlap_mode`` with ``auto`` resolved, see its doc)."""
+        opt = self.optimizer
+        if not opt.overlap_backward:
+            return "off"
+        if opt.overlap_mode != "auto":
+            return opt.overlap_mode
+        needs_all = self.schedule.clip_grad_norm is not None or self.precision.param_dtype == "fp16"
+        return "next_forward" if needs_all else "backward"
+
     def _check_finite(self):
         """Sections built directly (not through :meth:`from_dict`'s parsers) still never carry NaN or inf."""
         for name in _SECTIONS:
@@ -549,9 +571,11 @@ class Config:
                 f"optimizer.master: remainder needs precision.param_dtype bf16, got {self.precision.param_dtype} "
                 "(the remainder is the fp32 master's low 16 bits beside a bf16 parameter's high 16; an fp16 "
                 "parameter has other exponent bits, an fp32 one is the master itself)")
-        if self.optimizer.overlap_backward and self.schedule.clip_grad_norm is not None:
-            raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_backward (each unit is updated "
-                              "during backward, before the global gradient norm is known)")
+        if self.optimizer.overlap_backward and self.optimizer.overlap_mode == "backward":
+            if self.schedule.clip_grad_norm is not None:
+                raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_mode backward (each unit is "
+                                  "updated during backward, before the global gradient norm is known); use "
+                                  "overlap_mode next_forward or auto")
         if self.schedule.min_lr > self.optimizer.lr and self.schedule.lr_schedule != "constant":
             raise ConfigError(f"schedule.min_lr: {self.schedule.min_lr:g} is above optimizer.lr "
                               f"{self.optimizer.lr:g}; a decay goes down to min_lr")
@@ -590,8 +614,8 @@ class Config:
             why = f"needs zero.stage >= 2 (a unit's gradient shard is final during backward), got {self.zero.stage}"
         elif self.offload.optimizer == "none":
             why = "needs offload.optimizer host or nvme (the update runs as the offloaded CPU Adam)"
-        elif self.precision.param_dtype == "fp16":
-            why = ("not with precision.param_dtype fp16: the overflow check needs every gradient before any "
-                   "update; use bf16")
+        elif self.precision.param_dtype == "fp16" and self.optimizer.overlap_mode == "backward":
+            why = ("overlap_mode backward is not for precision.param_dtype fp16: the overflow check needs every "
+                   "gradient before any update; use overlap_mode next_forward or auto")
         if why is not None:
             raise ConfigError(f"optimizer.overlap_backward: {why}")

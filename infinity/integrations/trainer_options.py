@@ -7,7 +7,8 @@ an error):
 - ``TrainingArguments`` own the optimizer's hyper-parameters (``learning_rate``,
   ``adam_beta1`` / ``adam_beta2``, ``adam_epsilon``, ``weight_decay``), the
   schedule (``lr_scheduler_type``, ``warmup_steps``, ...) and clipping
-  (``max_grad_norm``). The config's ``optimizer.lr`` / ``betas`` / ``eps`` /
+  (``max_grad_norm``) and accumulation (``gradient_accumulation_steps``: the config's
+  ``schedule.clip_grad_norm`` / ``accum_steps`` are set from them, for the overlapped update). The config's ``optimizer.lr`` / ``betas`` / ``eps`` /
   ``weight_decay`` are overwritten with them where they are left at the
   config's defaults; a value set to something else that disagrees is refused,
   naming both. Any ``schedule`` key off its default is refused (the Trainer
@@ -42,17 +43,26 @@ def trainer_config(config: Config, args) -> Config:
                              f"TrainingArguments {arg}={_show(value)}; the Trainer's arguments set it, so remove "
                              f"optimizer.{key} from the config or make the two equal")
     schedule_defaults = ScheduleConfig()
-    for key in ("lr_schedule", "warmup_steps", "min_lr", "total_steps", "clip_grad_norm"):
+    for key in ("lr_schedule", "warmup_steps", "min_lr", "total_steps", "clip_grad_norm", "accum_steps"):
         if getattr(config.schedule, key) != getattr(schedule_defaults, key):
-            owner = "max_grad_norm" if key == "clip_grad_norm" else "lr_scheduler_type, warmup_steps and max_steps"
+            owner = {"clip_grad_norm": "max_grad_norm", "accum_steps": "gradient_accumulation_steps"}.get(
+                key, "lr_scheduler_type, warmup_steps and max_steps")
             raise ValueError(f"InfinityTrainer: infinity config schedule.{key} is set, but the Trainer owns the "
                              f"schedule and clipping ({owner}); remove schedule.{key} from the config")
     if config.parallel.tensor > 1:
         raise ValueError(f"InfinityTrainer: infinity config parallel.tensor={config.parallel.tensor} is not "
                          "supported: the Trainer's data loader gives every rank its own batch, tensor-parallel "
                          "ranks need the same one; use parallel.tensor 1 (ZeRO only)")
+    # clipping and accumulation as the Trainer runs them: the overlapped update reads both
+    # (overlap_mode auto updates during the next forward when the Trainer clips)
+    clip = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
+    if clip is not None and config.optimizer.overlap_backward and config.optimizer.overlap_mode == "backward":
+        raise ValueError(f"InfinityTrainer: TrainingArguments max_grad_norm={clip:g} conflicts "
+                         "with optimizer.overlap_mode backward (units are updated during backward, before the "
+                         "global norm is known); set overlap_mode auto or next_forward, or max_grad_norm=0")
     return config.replace(optimizer={"lr": wanted["lr"][1], "betas": list(wanted["betas"][1]),
-                                     "eps": wanted["eps"][1], "weight_decay": wanted["weight_decay"][1]})
+                                     "eps": wanted["eps"][1], "weight_decay": wanted["weight_decay"][1]},
+                          schedule={"clip_grad_norm": clip, "accum_steps": int(args.gradient_accumulation_steps)})
 
 
 def check_arguments(args, config: Config) -> None:
@@ -81,15 +91,6 @@ def check_arguments(args, config: Config) -> None:
     if args.fsdp:
         raise ValueError("InfinityTrainer: TrainingArguments fsdp is set; infinity shards the model itself, "
                          "leave fsdp empty")
-    if config.optimizer.overlap_backward:
-        if args.max_grad_norm and args.max_grad_norm > 0:
-            raise ValueError(f"InfinityTrainer: TrainingArguments max_grad_norm={args.max_grad_norm:g} conflicts "
-                             "with optimizer.overlap_backward (units are updated during backward, before the "
-                             "global norm is known); set max_grad_norm=0 or overlap_backward: false")
-        if args.gradient_accumulation_steps > 1:
-            raise ValueError(f"InfinityTrainer: TrainingArguments gradient_accumulation_steps="
-                             f"{args.gradient_accumulation_steps} conflicts with optimizer.overlap_backward (one "
-                             "backward per step); set gradient_accumulation_steps=1 or overlap_backward: false")
 
 
 def check_trainer_kwargs(kwargs: dict) -> None:

@@ -72,7 +72,7 @@ class ShardJob:
     ``param_out`` is the compute-precision parameter written in the same pass
     (None: the fp32 master *is* the parameter). ``ranges`` are
     ``(group_index, lo, hi)`` element ranges with their own hyper-parameters.
-    ``on_done(param)`` runs on the caller's thread in ``finish``, in job order, once the update
+    ``on_done(param)`` runs on the caller's thread in ``finish`` (or ``wait_for``), in job order, once the update
     landed, with the updated parameter (e.g. to launch its all-gather) — before any write-back
     of it completes, which is fine: the in-memory copy is already final.
     ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
@@ -176,11 +176,13 @@ class AdamPipeline:
         if self.running:
             raise RuntimeError("AdamPipeline.start: a step is already running; finish() it first")
         self._jobs: queue.Queue = queue.Queue()
-        self._landed: queue.Queue = queue.Queue()   # (on_done, param) for the caller's thread, then _END
+        self._landed: queue.Queue = queue.Queue()   # (name, on_done, param) for the caller's thread, then _END
         ready: queue.Queue = queue.Queue()
         self._progress = threading.Condition()
         self._issued = self._released = 0
         self._held = {}   # key -> future of its pinned bring, until the compute thread unpins it
+        self._served: set = set()     # jobs whose landing the caller's thread has handled (wait_for)
+        self._job_writes: dict = {}   # job name -> its write-back futures, until wait_for waits them
         self._error: BaseException | None = None
         self.updates_started = 0
         self.updated = []
@@ -218,8 +220,7 @@ class AdamPipeline:
         # collectives are never issued from a pipeline thread, and they overlap the rest of the step
         try:
             while (landed := self._landed.get()) is not _END:
-                on_done, param = landed
-                on_done(param)
+                self._serve(landed)
         except BaseException:
             self._halt()
             self._drain_landed()
@@ -227,6 +228,42 @@ class AdamPipeline:
             raise
         self._join()
         return self.last_stats
+
+    def wait_for(self, names) -> None:
+        """On the caller's thread, during a running step: return once every job in ``names`` is updated,
+        its ``on_done`` has run (the jobs before it landed first, in order) and its write-back is home.
+        For a caller that uses a shard while the rest of the step runs (the next forward of an update
+        launched by ``optimizer.step()``). Re-raises a pipeline thread's error; the step is then over."""
+        if not self.running:
+            raise RuntimeError("AdamPipeline.wait_for: no step is running")
+        try:
+            while not set(names) <= self._served:
+                landed = self._landed.get()
+                if landed is _END:   # before finish() only a failed step ends: join raises its error
+                    self._halt()
+                    self._jobs.put(None)   # the swap-in thread may wait for a job that will not come
+                    self._join()
+                    raise RuntimeError("AdamPipeline.wait_for: the step ended without the jobs "
+                                       f"{sorted(set(names) - self._served)}")
+                self._serve(landed)
+        except BaseException:
+            if self.running:
+                self._halt()
+                self._drain_landed()
+                self._join(drop_error=True)
+            raise
+        with self._progress:   # the compute thread starts a job's write-back right after landing it
+            while not all(n in self._job_writes for n in names) and not self._stop.is_set():
+                self._progress.wait()
+            writes = [f for n in names for f in self._job_writes.pop(n, [])]
+        for f in writes:
+            self.store.wait(f)   # the shard is home: reading it now sees the new bytes
+
+    def _serve(self, landed) -> None:
+        name, on_done, param = landed
+        if on_done is not None:
+            on_done(param)
+        self._served.add(name)
 
     def abort(self) -> None:
         """Stop a running step without updating the jobs not yet begun; errors are dropped. What was
@@ -310,11 +347,13 @@ class AdamPipeline:
                         self.updated.append(job.name)
                     t2 = time.perf_counter()
                     adam_s += t2 - t1
-                    landing.append((copied, job.on_done, out))
+                    landing.append((job.name, copied, job.on_done, out))
                     # a copy still in flight holds its host buffer: at most `lookahead` more of them
                     self._land(landing, keep=self.lookahead)
-                    writes.extend(self._swap_out(job))
+                    job_writes = self._swap_out(job)
+                    writes.extend(job_writes)
                     with self._progress:
+                        self._job_writes[job.name] = job_writes
                         self._released += 1
                         self._progress.notify_all()
                     self._slots.release()
@@ -332,7 +371,7 @@ class AdamPipeline:
         except BaseException as e:   # noqa: BLE001 - re-raised by finish() on the caller's thread
             self._error = e
             self._halt()
-            for copied, _, _ in landing:   # parameter copies still in flight keep their buffer until done
+            for _, copied, _, _ in landing:   # parameter copies still in flight keep their buffer until done
                 if copied is not None:
                     copied.done.exception()
                     self._staging.release(copied.buffer)
@@ -418,7 +457,7 @@ class AdamPipeline:
         order (all ranks launch their all-gathers in the same order); wait for copies while more
         than ``keep`` are in flight."""
         while landing:
-            copied, on_done, param = landing[0]
+            name, copied, on_done, param = landing[0]
             if copied is not None and not copied.done.done() and len(landing) <= keep:
                 return
             landing.popleft()
@@ -427,8 +466,7 @@ class AdamPipeline:
                     copied.done.result()
                 finally:
                     self._staging.release(copied.buffer)
-            if on_done is not None:
-                self._landed.put((on_done, param))
+            self._landed.put((name, on_done, param))   # every job: wait_for follows them all
 
     def _unpin_held(self) -> None:
         """After an error: drop the pins this run still holds, so the keys stay evictable and usable."""
@@ -452,13 +490,18 @@ class AdamPipeline:
         next one to finish and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
         move = self.store.claim if overwrite else self.store.bring
-        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released)
+        # stopped (an error or abort): this thread gives up at once; the step's threads may already be
+        # detached from `running` by a join waiting for this one to exit
+        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released,
+                                    stopped=self._stop.is_set)
 
-    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool]):
+    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool], stopped: Callable | None = None):
         """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
         will release a shard, wait for that and try again. Otherwise, if the room is held by copies
         only a write can free (gradients left unwritten for updates not begun, whose swap-in may itself
-        wait for this room), write some home (``store.spill``) and try again; else the error stands."""
+        wait for this room), write some home (``store.spill``) and try again; else the error stands.
+        ``stopped()`` True ends the retries (default: this step was stopped while still running)."""
+        stopped = stopped or (lambda: self.running and self._stop.is_set())
         while True:
             with self._progress:
                 released = self._released
@@ -470,7 +513,7 @@ class AdamPipeline:
                     # after an error or abort the compute thread releases nothing more
                     while waiting and self._released == released and not self._stop.is_set():
                         self._progress.wait()
-                    if self.running and self._stop.is_set():   # a stopped step's leftovers: not retried
+                    if stopped():   # a stopped step's leftovers: not retried
                         if self._error is not None:   # the pipeline failed: its cause, not the room it held
                             raise self._error from e
                         raise

@@ -170,10 +170,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         seq_len = check_int("--seq-len", seq_len, 1)
         num_params = sum(p.numel() for p in build_model(spec, seq_len)[0].parameters())
 
-    config, corpus_bytes = _config(o, job, steps)
-    if config.optimizer.overlap_backward and accum > 1:
-        raise TrainError(f"--accum {accum} with optimizer.overlap_backward: the update runs in backward, one "
-                         "backward per step; use --accum 1 or overlap_backward: false")
+    config, corpus_bytes = _config(o, job, steps, accum)
     data = pick(o.data, "data", None)
     if corpus_bytes is not None and corpus_bytes < seq_len + 1:
         raise TrainError(f"--corpus-bytes {corpus_bytes} is too small for --seq-len {seq_len} "
@@ -210,8 +207,9 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
                 sample_tokens=sample_tokens, lr_override=o.lr is not None and resume is not None)
 
 
-def _config(o: TrainOptions, job: dict, steps: int) -> tuple:
-    """The config with the flags applied (and a resumed run's schedule); and --corpus-bytes."""
+def _config(o: TrainOptions, job: dict, steps: int, accum: int) -> tuple:
+    """The config with the flags applied (and a resumed run's schedule); and --corpus-bytes. The
+    schedule's ``accum_steps`` is ``--accum`` (the overlapped update reads it)."""
     try:
         config = Config.load(o.config) if o.config is not None else default_config(
             o.swap_dir or DEFAULT_SWAP_DIR, 3 if o.stage is None else o.stage)
@@ -234,6 +232,7 @@ def _config(o: TrainOptions, job: dict, steps: int) -> tuple:
                            ("min_lr", o.min_lr), ("clip_grad_norm", o.clip_grad_norm)):
             if value is not None:
                 schedule[key] = None if key == "clip_grad_norm" and value == 0 else value
+        schedule["accum_steps"] = accum
         if schedule.get("total_steps") == "auto":
             schedule["total_steps"] = steps
         if o.config is None and not job and o.warmup_steps is None and schedule["warmup_steps"] >= steps:

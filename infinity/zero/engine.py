@@ -123,6 +123,7 @@ class ZeroEngine:
         self.store: TensorStore | None = None
         self._handles: list = []
         self._closed = False
+        self._requires_sync = True   # False inside no_sync(): the backward is not the step's last
 
         group_of = group_index(model, param_groups)
         align = shard_align_numel({self.param_dtype, self.reduce_dtype, torch.float32})
@@ -168,7 +169,8 @@ class ZeroEngine:
                                          budgets=budgets)   # "auto" measured once, checked above
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
             self.update = ShardUpdate(self.units, self.store, self.coll, self.policy, self.shard_rank, self.rank,
-                                      self.hyper, self.tracer, config.optimizer)
+                                      self.hyper, self.tracer, config.optimizer, config.update_overlap(),
+                                      config.schedule.accum_steps)
             self.grads = self._build_grads(config)
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
                                        self.tracer, config.zero.reshard_after_forward, self.rank)
@@ -181,7 +183,8 @@ class ZeroEngine:
                 meta.move_unsharded(model, self.units, self.device)   # buffers, frozen parameters
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
-                                          config.zero.activation_checkpointing)
+                                          config.zero.activation_checkpointing,
+                                          wait_units=self.update.launches and not self.policy.shard_params)
         except BaseException:
             self.close()
             raise
@@ -279,6 +282,8 @@ class ZeroEngine:
         self.notice_aborted_backward()
         self.stats.start("forward")
         self.memory.forward_begins()   # counts saved activations once memory is enabled
+        if self._root is not None:
+            self.update.wait_unit(self._root)   # next_forward: the root's launched update (used first)
         if self.policy.shard_params and self._root is not None:
             self.gathers.use_unit(self._root, training)
 
@@ -295,7 +300,16 @@ class ZeroEngine:
         return out
 
     def unit_pre_forward(self, unit, training: bool) -> None:
-        self.gathers.use_unit(unit, training)
+        """A unit's forward starts: its launched update is waited for (next_forward), stage 3 gathers it."""
+        self.update.wait_unit(unit)
+        if self.policy.shard_params:
+            self.gathers.use_unit(unit, training)
+
+    def settle_update(self) -> None:
+        """Wait for an update ``optimizer.step()`` launched (``overlap_mode`` next_forward) to finish:
+        before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``). At
+        stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
+        self.update.settle()
 
     def unit_post_forward(self, unit, training: bool) -> None:
         if training:
@@ -310,7 +324,8 @@ class ZeroEngine:
 
     def unit_pre_recompute(self, unit) -> None:
         """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
-        self.gathers.acquire(unit)
+        if self.policy.shard_params:
+            self.gathers.acquire(unit)
 
     def enter_backward(self) -> None:
         if self.phase is StepPhase.BACKWARD:
@@ -320,7 +335,8 @@ class ZeroEngine:
         if self.phase is StepPhase.REDUCED:
             raise RuntimeError(f"backward() on rank {self.rank} after the gradients were finished for the step "
                                "(clip_grad_norm_, or a step that failed part-way): call optimizer.step() first")
-        self.update.check_new_backward()   # before any gradient of this backward is written
+        # before any gradient of this backward is written: a launched update (reading them) is finished
+        self.update.begin_backward(self._requires_sync)
         self._go(StepPhase.BACKWARD)
         self.stats.start("backward")
         # runs once the whole backward pass is done: flush reductions, release stage-3 units
@@ -439,8 +455,26 @@ class ZeroEngine:
                 f"zero_grad() on rank {self.rank}: the last optimizer step failed part-way, with some units "
                 "updated and others not; call optimizer.step() again to finish it, or load the last checkpoint")
         self.grads.zero()
+        self.update.new_step()
         if self.phase is not StepPhase.IDLE:
             self._go(StepPhase.IDLE)
+
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """FSDP2's switch: False marks the next backwards as not the step's last (gradient accumulation).
+        Gradients are still reduced into the shards (stages 2-3 keep no full gradient); only
+        ``optimizer.overlap_backward``'s backward-mode update waits for a backward outside it. Without
+        overlap it changes nothing."""
+        self._requires_sync = bool(requires_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's context manager: backwards inside it are not the step's last (see
+        :meth:`set_requires_gradient_sync`)."""
+        before, self._requires_sync = self._requires_sync, False
+        try:
+            yield
+        finally:
+            self._requires_sync = before
 
     def prepare_load(self) -> None:
         """A checkpoint load is about to replace every shard: whatever the step was doing is dropped."""
@@ -484,6 +518,7 @@ class ZeroEngine:
         Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block; exact
         even with ZeRO++'s qwZ (only the training step's gathers are quantized)."""
         self.notice_aborted_backward()
+        self.update.settle()   # the parameters read inside are the last step's
         if not self.policy.shard_params:
             yield
             return
@@ -512,14 +547,15 @@ class ZeroEngine:
             return
         self._closed = True
         errors = []
-        for part in filter(None, (self._remove_hooks, self._finish_folds, getattr(self, "_finalizer", None))):
+        update = getattr(self, "update", None)
+        for part in filter(None, (update and update.settle, self._remove_hooks, self._finish_folds,
+                                    getattr(self, "_finalizer", None))):
             try:
                 part()
             except BaseException as e:   # noqa: BLE001 - the rest must still close
                 errors.append(e)
         if not hasattr(self, "_finalizer"):   # failed before the finalizer existed
             try:
-                update = getattr(self, "update", None)
                 _release(update and update.pipeline, update and update.adam, self.store)
             except BaseException as e:   # noqa: BLE001
                 errors.append(e)

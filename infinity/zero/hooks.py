@@ -15,6 +15,10 @@ nothing else of it:
 - unit forward hook (stage 3): ``unit_post_forward`` releases the unit
   (``reshard_after_forward``) or keeps it for backward, and a grad hook on its
   outputs calls ``unit_pre_backward`` just before its backward runs.
+- unit forward pre-hook at stages 1-2 with ``optimizer.overlap_mode``
+  next_forward: ``unit_pre_forward`` waits for the unit's update that
+  ``optimizer.step()`` launched; a state-dict pre-hook on the model:
+  ``settle_update`` (the whole launched update).
 - per-parameter post-accumulate-grad hook: ``param_grad_ready`` moves ``.grad``
   into the unit's flat gradient; the unit's last one triggers its reduction.
 
@@ -94,11 +98,14 @@ class HookTarget(Protocol):
     def unit_pre_recompute(self, unit) -> None: ...                 # activation checkpointing's rerun
     def enter_backward(self) -> None: ...
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None: ...
+    def settle_update(self) -> None: ...                            # a launched update finishes first
 
 
-def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: bool = False) -> list:
+def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: bool = False,
+            wait_units: bool = False) -> list:
     """Register every hook on ``model`` and its ``units``' modules (the unit hooks only when
-    ``shard_params``: stage 3 gathers per unit), and activation checkpointing on each unit module if
+    ``shard_params``: stage 3 gathers per unit; with ``wait_units`` only the unit pre-hooks, which
+    wait for the unit's launched update), and activation checkpointing on each unit module if
     ``checkpoint_units``; returns the removable handles."""
     handles = []
 
@@ -117,6 +124,8 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
 
     handles.append(model.register_forward_pre_hook(root_pre))
     handles.append(model.register_forward_hook(root_post))
+    # a state dict read right after optimizer.step() sees the step's parameters (next_forward)
+    handles.append(model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: target.settle_update()))
 
     if checkpoint_units:
         from torch.distributed._composable import checkpoint
@@ -130,6 +139,10 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
                 continue
             handles.append(unit.module.register_forward_pre_hook(_unit_pre(target, unit)))
             handles.append(unit.module.register_forward_hook(_unit_post(target, unit)))
+    elif wait_units:
+        for unit in units:
+            if not unit.is_root:
+                handles.append(unit.module.register_forward_pre_hook(_unit_pre(target, unit)))
 
     # a parameter's hooks are held by the tensor in C++, where the garbage collector cannot follow
     # them: a closure holding the engine or a unit (which holds the parameter) would keep the engine

@@ -70,7 +70,7 @@ class Placement:
     optimizer: Tier | None = None
     chunk_bytes: int = 256 * 2**20   # host bytes one optimizer job's stored classes may take together
     # NVMe-homed gradients wait in host memory unwritten for an update that consumes them during
-    # backward (optimizer.overlap_backward), instead of a write now and a read at the step
+    # backward (optimizer.overlap_mode backward), instead of a write now and a read at the step
     defer_grad_writes: bool = False
     # NVMe-homed chunks kept in host memory for good (``offload.host_resident_bytes``): "auto" or bytes
     host_resident: object = 0
@@ -84,7 +84,7 @@ class Placement:
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.optimizer.overlap_backward,
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.update_overlap() == "backward",
                    host_resident=off.host_resident_bytes, master_format=config.optimizer.master,
                    moments_format=config.optimizer.moments)
 

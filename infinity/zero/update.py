@@ -11,9 +11,11 @@ engine owns this data movement; the optimizer only holds hyper-parameters.
 Stages 1-2 all-gather each updated parameter shard as soon as its update has
 landed (``on_done``), so the gathers overlap the rest of the step.
 
-With ``optimizer.overlap_backward`` the pipeline starts during backward and
-each unit is submitted as soon as its gradient shard is final
-(:mod:`infinity.zero.overlap`); the step then only finishes it.
+With ``optimizer.overlap_backward`` (:mod:`infinity.zero.overlap`) the pipeline
+starts during the step's last backward and each unit is submitted as soon as
+its gradient shard is final; the step then only finishes it. Or (mode
+``next_forward``) the step launches every unit in forward order and returns;
+the next forward waits for each unit (:meth:`ShardUpdate.wait_unit`) before use.
 
 A failed update (say ENOSPC while writing a shard home) leaves each unit
 marked updated or not; the next :meth:`ShardUpdate.run` retries the writes
@@ -26,11 +28,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import time
 
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.pipeline import AdamPipeline, ShardJob
 from infinity.zero.grads import MAX_INFLIGHT
-from infinity.zero.overlap import OverlappedStep
+from infinity.zero.overlap import OverlappedStep, OverlapPhase
 from infinity.zero.units import TensorClass
 
 __all__ = ["ShardUpdate"]
@@ -46,14 +49,19 @@ class ShardUpdate:
     the stage policy, the param groups' :class:`~infinity.zero.hyper.GroupHyper`, and
     ``config.optimizer`` (``cfg``)."""
 
-    def __init__(self, units: list, store, coll, policy, shard_rank: int, rank: int, hyper, tracer, cfg):
+    def __init__(self, units: list, store, coll, policy, shard_rank: int, rank: int, hyper, tracer, cfg,
+                 overlap_mode: str = "off", accum_steps: int = 1):
         self.units, self.store, self.coll, self.policy = units, store, coll, policy
         self.shard_rank, self.rank, self.hyper = shard_rank, rank, hyper
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
         self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer)
-        self.overlap = OverlappedStep(rank) if cfg.overlap_backward else None
+        self.overlap = OverlappedStep(rank, overlap_mode, accum_steps) if overlap_mode != "off" else None
+        self.launches = self.overlap is not None and overlap_mode == "next_forward"
+        self._launched_stats: dict | None = None   # the launched step's offload stats, completed when settled
+        self._forward_wait_s = 0.0
+        self._launched_jobs: dict = {}   # next_forward: unit index -> the job names step() launched for it
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
@@ -83,6 +91,9 @@ class ShardUpdate:
             if self.policy.gather_after_step:
                 for unit in done_before:   # their gathers may not have run: idempotent, so run them all
                     self.gather_updated(unit, unit.shard.get(TensorClass.PARAM))
+            if self.launches:
+                self._launch(grad_scale)
+                return
             if not self.pipeline.running:   # overlapped: backward started it (unless it failed since)
                 self._begin()
                 for unit in self.units:
@@ -90,12 +101,93 @@ class ShardUpdate:
                         self.pipeline.submit(job)
             self.last_stats = self.pipeline.finish()
         finally:
-            for name in self.pipeline.updated:   # a unit's chunks are updated in order
+            # a launched update's marks are not needed (it is waited for by unit); it is still running
+            for name in ([] if self.pending else self.pipeline.updated):   # a unit's chunks are updated in order
                 unit = self._owner[name]
                 unit.chunks_updated += 1
                 unit.updated = unit.chunks_updated == len(unit.shard.chunks())
             while self._post_gathers:
                 self._post_gathers.popleft().wait()   # the next forward reads these buffers
+
+    def _launch(self, grad_scale: float) -> None:
+        """next_forward: start every unit not yet updated, in forward order (the root, then the units);
+        returns at once. The caller's next uses wait per unit (:meth:`wait_unit`, :meth:`settle`)."""
+        order = sorted((u for u in self.units if not u.updated), key=lambda u: (not u.is_root, u.index))
+        self._begin()
+        self.overlap.launched(order)
+        self._overlap_began = True   # the next forward's store operations may wait for host room it holds
+        self._forward_wait_s = 0.0
+        self._launched_jobs = {}
+        try:
+            for unit in order:
+                jobs = self._jobs(unit, grad_scale)
+                self._launched_jobs[unit.index] = [job.name for job in jobs]
+                for job in jobs:
+                    self.pipeline.submit(job)
+        except BaseException:
+            self.pipeline.abort()   # what was updated stays marked (run's finally): step() again finishes it
+            self.overlap.end_launched()
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """next_forward: a step's launched update is still running (some unit not yet waited for)."""
+        return self.launches and self.overlap.phase is OverlapPhase.LAUNCHED
+
+    def wait_unit(self, unit) -> None:
+        """next_forward: ``unit`` is about to be used (its forward, a gather): wait for its launched
+        update, written home and (stages 1-2) all-gathered; a no-op once it has been."""
+        if not self.pending or not self.overlap.waiting(unit.index):
+            return
+        names = self._launched_jobs[unit.index]
+        t0 = time.perf_counter()
+        try:
+            self.pipeline.wait_for(names)
+            while self._post_gathers:   # in job order: this unit's gather is the newest
+                self._post_gathers.popleft().wait()
+        except BaseException as e:
+            self._launch_failed(e)
+            raise
+        finally:
+            self._forward_wait_s += time.perf_counter() - t0
+        if self.overlap.settled(unit.index):
+            self.settle()   # the last one: the step's stats are complete
+
+    def settle(self) -> None:
+        """next_forward: wait for the rest of a launched update (a backward, a save, ``gathered()``,
+        ``close()`` come next); a no-op when none is running."""
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.last_stats = self.pipeline.finish() if self.pipeline.running else {}
+            while self._post_gathers:
+                self._post_gathers.popleft().wait()
+        except BaseException as e:
+            self._launch_failed(e)
+            raise
+        self._forward_wait_s += time.perf_counter() - t0
+        self.overlap.end_launched()
+        if self._launched_stats is not None:   # the launched step's stats, now that its update is done
+            self._launched_stats.update(
+                adam_s=self.last_stats.get("adam_s", 0.0),
+                swap_in_wait_s=self.last_stats.get("swap_in_wait_s", 0.0),
+                swap_out_wait_s=self.last_stats.get("swap_out_wait_s", 0.0),
+                update_wait_s=self._forward_wait_s)   # how long the caller waited for it after step()
+            self._launched_stats = None
+        self.last_stats = {}
+
+    def _launch_failed(self, error: BaseException) -> None:
+        """A launched update raised: the step was counted but is not whole (some units updated)."""
+        self.pipeline.abort()
+        while self._post_gathers:
+            self._post_gathers.popleft().wait()
+        self.overlap.end_launched()
+        self.partial_overlapped_update = True
+        if hasattr(error, "add_note"):
+            error.add_note(f"infinity: the update optimizer.step() launched on rank {self.rank} "
+                           "(optimizer.overlap_mode next_forward) failed part-way; the state is newer than the "
+                           "step count says: load the last checkpoint")
 
     def _begin(self) -> None:
         """Start the pipeline with this step's hyper-parameters as they are now."""
@@ -148,7 +240,9 @@ class ShardUpdate:
         while self._post_gathers:
             self._post_gathers.popleft().wait()
         if self.overlap is not None:
+            self.overlap.end_launched()
             self.overlap.abort()
+        self._launched_stats = None
 
     # ------------------------------------------------------------ optimizer.overlap_backward
 
@@ -189,19 +283,32 @@ class ShardUpdate:
         self.pipeline.abort()
         self.partial_overlapped_update = self.partial_overlapped_update or began
 
-    def check_new_backward(self) -> None:
+    def begin_backward(self, sync: bool) -> None:
+        """A backward is starting (``sync`` False: inside ``no_sync()``); refused while the last one's
+        update waits for step(); a launched update is finished first (the backward writes gradients)."""
         if self.overlap is not None:
+            self.settle()
             self.overlap.check_new_backward()
+            self.overlap.begin_backward(sync)
+
+    def new_step(self) -> None:
+        """Gradients were zeroed: the next backward is the step's first."""
+        if self.overlap is not None:
+            self.overlap.new_step()
 
     def check_gather(self, unit) -> None:
+        """Before ``unit`` is gathered: a launched update of it is waited for; one running in backward
+        is refused (a forward before optimizer.step())."""
         if self.overlap is not None:
+            self.wait_unit(unit)
             self.overlap.check_gather(unit)
 
     def check_clip(self) -> None:
-        if self.overlap is not None:
-            raise RuntimeError(f"clip_grad_norm_() on rank {self.rank} with optimizer.overlap_backward: the "
-                               "update runs during backward, but clipping needs every gradient before any "
-                               "update; set overlap_backward: false to clip")
+        if self.overlap is not None and self.overlap.phase is not OverlapPhase.IDLE:
+            raise RuntimeError(f"clip_grad_norm_() on rank {self.rank} with optimizer.overlap_mode backward: "
+                               "the update ran during backward, but clipping needs every gradient before any "
+                               "update; set optimizer.overlap_mode next_forward (or auto with "
+                               "schedule.clip_grad_norm set) to clip")
 
     def updating(self, index: int) -> bool:
         """Whether unit ``index``'s update has begun this step (it is not to be gathered or prefetched)."""
@@ -246,6 +353,9 @@ class ShardUpdate:
         }
         if self.overlap is not None:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
+            if self.pending:   # its times are filled in when the next forward (or a save) has waited for it
+                last_step["offload"]["update_deferred"] = True
+                self._launched_stats = last_step["offload"]
         self.last_stats = {}
         self._store_mark = now
         self.store.trim_host_buffers()

@@ -64,6 +64,9 @@ def infinity_config(kind: str, swap_dir: str | None) -> dict:
         return {"zero": {"stage": 3}, "offload": {"params": "nvme", "optimizer": "nvme", "host_resident_bytes": 0},
                 "tiers": {"nvme_path": path, "host_bytes": f"{320 // world_size()}KiB"}, "io": {"threads": 1},
                 "optimizer": {"threads": 1}}
+    if kind == "nvme-overlap":   # the same, the update overlapping compute (clipping: the next forward)
+        config = infinity_config("nvme", swap_dir)
+        return dict(config, optimizer=dict(config["optimizer"], overlap_backward=True))
     raise ValueError(kind)
 
 

@@ -224,14 +224,27 @@ def test_bad_arguments_one_line_exit_2(argv, message, capsys, tmp_path, monkeypa
     assert not (tmp_path / "infinity_swap").exists()   # nothing started, nothing made
 
 
-def test_overlap_backward_with_accumulation_is_refused(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    conf = tmp_path / "overlap.yaml"
-    conf.write_text("zero: {stage: 3}\noptimizer: {overlap_backward: true}\noffload: {optimizer: host}\n")
-    rc = main(["train", *TINY, "--config", str(conf), "--accum", "2"])
-    _, err = capsys.readouterr()
-    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "--accum 2 with optimizer.overlap_backward: the update runs in backward" in err
+def test_overlapped_update_with_accumulation_and_clipping_is_the_plain_one(capsys, tmp_path):
+    """The default config with ``optimizer.overlap_backward``: with its clipping at 1.0 the update runs
+    during the next forward, with ``--clip-grad-norm 0`` during the last backward; with ``--accum 2``
+    either way it trains to the plain step's losses, bitwise, and the grad norms match."""
+    def run(name: str, overlap: bool, *extra) -> list:
+        d = tmp_path / name
+        d.mkdir()
+        cfg = default_config(d / "swap").replace(precision={"param_dtype": "fp32"},
+                                                 optimizer={"overlap_backward": overlap})
+        (d / "c.json").write_text(json.dumps(cfg.to_dict()))
+        rc = main(["train", *TINY, "--steps", "4", "--warmup-steps", "1", "--accum", "2", "--no-save", "--metrics", str(d / "m.jsonl"),
+                   "--config", str(d / "c.json"), *extra])
+        _, err = capsys.readouterr()
+        assert rc == 0, err
+        return [(r["loss"], r.get("grad_norm")) for r in map(json.loads, (d / "m.jsonl").read_text().splitlines())]
+
+    clipped = run("clip-off", False)
+    assert run("clip-on", True) == clipped
+    assert any(norm > 1.0 for _, norm in clipped), clipped   # the clip fired
+    unclipped = run("noclip-off", False, "--clip-grad-norm", "0")
+    assert run("noclip-on", True, "--clip-grad-norm", "0") == unclipped != clipped
 
 
 def test_unwritable_swap_dir(capsys, tmp_path):

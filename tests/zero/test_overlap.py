@@ -261,8 +261,8 @@ def test_second_backward_is_refused_and_the_step_still_applies_the_first(worlds,
     ref = worlds(2).run(misuse, dict(base, overlap=False, kind="once", tmp=str(tmp_path / "ref")))[0]
     got = worlds(2).run(misuse, dict(base, overlap=True, kind="second_backward", tmp=str(tmp_path / "twice")))[0]
     assert got["error"].startswith("backward() on rank 0 before optimizer.step(): optimizer.overlap_backward "
-                                   "applies the update in backward: one backward per step; use "
-                                   "overlap_backward: false for gradient accumulation"), got["error"]
+                                   "applies the update in the step's last backward (schedule.accum_steps "
+                                   "backwards per step, or the first outside engine.no_sync())"), got["error"]
     assert ref["error"] is None
     for name, p in ref["params"].items():
         assert torch.equal(got["params"][name], p), f"{name}: the refused backward changed the step"
@@ -272,26 +272,27 @@ def test_stage3_forward_before_step_is_refused(worlds, tmp_path):
     """Stage 3: the second forward would gather units whose update is running; refused there."""
     spec = dict(BASE, **PLACEMENTS[0][1], overlap=True, kind="second_backward", tmp=str(tmp_path / "s3"))
     got = worlds(1).run(misuse, spec)[0]
-    assert "before optimizer.step()" in got["error"] and "one backward per step" in got["error"], got["error"]
+    assert "before optimizer.step()" in got["error"] and "the step's last backward" in got["error"], got["error"]
 
 
-def test_clip_grad_norm_is_refused(worlds, tmp_path):
+def test_clip_grad_norm_is_refused_in_backward_mode(worlds, tmp_path):
     spec = dict(BASE, **PLACEMENTS[0][1], overlap=True, kind="clip", tmp=str(tmp_path / "clip"))
     got = worlds(1).run(misuse, spec)[0]
-    assert "clip_grad_norm_() on rank 0 with optimizer.overlap_backward" in got["error"], got["error"]
+    assert "clip_grad_norm_() on rank 0 with optimizer.overlap_mode backward" in got["error"], got["error"]
     assert "clipping needs every gradient before any update" in got["error"]
 
 
 @pytest.mark.parametrize("change,needs", [
     (dict(zero={"stage": 1}), "needs zero.stage >= 2"),
     (dict(offload={"optimizer": "none"}), "needs offload.optimizer host or nvme"),
-    (dict(precision={"param_dtype": "fp16"}), "not with precision.param_dtype fp16"),
+    (dict(precision={"param_dtype": "fp16"}, optimizer={"overlap_mode": "backward"}),
+     "overlap_mode backward is not for precision.param_dtype fp16"),
 ])
 def test_config_refusals_at_initialize(tmp_path, change, needs):
     cfg = {"zero": {"stage": 2}, "offload": {"optimizer": "host"},
            "optimizer": {"overlap_backward": True}}
     for section, keys in change.items():
-        cfg.setdefault(section, {}).update(keys)
+        cfg[section] = dict(cfg.get(section, {}), **keys)
     model = offload_cases.build("gpt")
     with pytest.raises(ConfigError, match=f"^optimizer.overlap_backward: {needs}"):
         infinity.initialize(model, cfg)
@@ -415,3 +416,42 @@ def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_pa
     assert written == [12 * numel] * 3, (written, numel)
     written, numel = step_writes(False)
     assert all(w >= 16 * numel for w in written), (written, numel)
+
+
+def test_a_failed_update_while_the_swap_in_waits_for_room_ends_the_step(tmp_path):
+    """The compute thread raises while the swap-in thread waits for host room that only the compute
+    thread would free: the swap-in gives up too, and finish() raises the error instead of hanging."""
+    from infinity.optim.cpu_adam import CpuAdamW
+    from infinity.optim.pipeline import AdamPipeline
+    store, jobs = _pipeline_store(tmp_path, host_bytes=72 * 1024, n=3)   # one job's states fit, not two
+    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=2)
+
+    def hyper(gi):
+        raise RuntimeError("injected failure in the update")
+
+    real_bring = store.bring
+
+    def late_bring(key, tier, pin=False):
+        if key.startswith("u1."):   # job 1's swap-in runs into the full host tier only once finish() joins
+            _wait_until(lambda: not pipe.running)
+        return real_bring(key, tier, pin=pin)
+    store.bring = late_bring
+
+    errors = []
+
+    def finish():
+        try:
+            pipe.finish()
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    with store:
+        pipe.start(hyper)
+        for job in jobs:
+            pipe.submit(job)
+        t = threading.Thread(target=finish, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "finish() hung: the swap-in thread kept retrying for room after the failure"
+        assert errors == ["injected failure in the update"], errors
+        assert [t.name for t in threading.enumerate() if t.name in _THREADS] == []

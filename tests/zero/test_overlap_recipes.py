@@ -1,0 +1,349 @@
+"""The overlapped update with the recipes people run: gradient accumulation, clipping and fp16.
+
+Each case trains the GPT test model (tied weights, two param groups, a LambdaLR schedule) with
+``optimizer.overlap_backward`` on and off in the same world, same data: losses, the clip norms,
+skipped steps and parameters bitwise equal (the arithmetic is the same, only its time differs).
+
+- backward mode with accumulation 4, the boundary from ``schedule.accum_steps`` or from
+  ``engine.no_sync()``: units are still submitted during the last backward;
+- next_forward mode with clipping at a threshold that clips some steps and not others, with
+  accumulation 1 and 4; with fp16 and a loss scale that overflows on some steps (skipped, nothing
+  launched): ``step()`` launches, the next forward waits per unit;
+- stage 3 (params, optimizer on NVMe; grads on host) and stage 2 (optimizer on host, on NVMe), world
+  sizes 1 and 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import infinity
+import offload_cases
+import zero_cases
+from failure_cases import wait_store_idle
+from zero_cases import global_batch, param_groups
+
+SMALL = dict(host_bytes=(192 + 124 + 64) * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024)
+PLACEMENTS = {
+    "s3-nvme": dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host"), **SMALL),
+    "s2-host": dict(stage=2, offload=dict(optimizer="host", params="none", grads="none"), **SMALL),
+    "s2-nvme": dict(stage=2, offload=dict(optimizer="nvme", params="none", grads="none"), **SMALL),
+}
+BASE = dict(model="gpt", steps=4, batch=8, lr=1e-2, groups=True, scheduler=True, accum=1)
+# the plain run's norms (GPT test model, lr 1e-2) are about 1.4, 3.1, 2.3, 1.3: 2.0 clips steps 1-2 and
+# not 0 and 3 (the test checks that both branches happened)
+CLIP = 2.0
+
+
+def _rank_world():
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def recipe(spec: dict) -> dict:
+    """Steps of ``accum`` forward/backward, optional clip, step, zero_grad, LambdaLR; rank 0 returns the
+    parameters."""
+    rank, world = _rank_world()
+    cfg = offload_cases.offload_config(spec, rank, world)
+    cfg["optimizer"].update(overlap_backward=spec["overlap"], overlap_mode=spec.get("mode", "auto"))
+    cfg["schedule"] = {"clip_grad_norm": spec.get("clip"), "accum_steps": spec.get("accum_steps", 1)}
+    if spec.get("dtype") == "fp16":
+        cfg["precision"].update(initial_loss_scale=spec["loss_scale"], loss_scale_window=2)
+    model = offload_cases.build(spec["model"], spec.get("seed", 0))
+    model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
+    engine = infinity.engine_of(model)
+    sched = zero_cases.make_scheduler(opt, spec)
+    accum = spec["accum"]
+    losses, norms, stats = [], [], []
+    try:
+        for step in range(spec["steps"]):
+            micro = global_batch(step, spec["batch"]).chunk(world * accum)
+            total = torch.zeros(())
+            for j in range(accum):
+                quiet = spec.get("no_sync") and j < accum - 1
+                with engine.no_sync() if quiet else contextlib.nullcontext():
+                    ids = micro[rank * accum + j]
+                    loss = model(input_ids=ids, labels=ids).loss
+                    (loss / accum).backward()
+                total += loss.detach().float() / accum
+            if world > 1:
+                dist.all_reduce(total)
+                total /= world
+            losses.append(total.item())
+            if spec.get("clip") is not None:
+                norms.append(float(opt.clip_grad_norm_(spec["clip"])))
+            opt.step()
+            opt.zero_grad()
+            if sched:
+                sched.step()
+            stats.append(engine.stats.last_step["offload"])
+        with engine.gathered():
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None
+    finally:
+        engine.close()
+    return {"losses": losses, "norms": norms, "params": params, "stats": stats, "units": len(engine.units),
+            "group_steps": list(opt.group_steps), "skipped": opt.skipped_steps}
+
+
+def many(specs: list) -> list:
+    return [recipe(s) for s in specs]
+
+
+def _pairs(tmp_path, cases: list) -> list:
+    """Each case without overlap, then with it."""
+    return [{**BASE, **PLACEMENTS[c["placement"]], **c, "overlap": overlap,
+             "tmp": str(tmp_path / f"{c['name']}-{overlap}")}
+            for c in cases for overlap in (False, True)]
+
+
+def _assert_same(off: dict, on: dict, what: str) -> None:
+    assert on["losses"] == off["losses"], f"{what}: losses {on['losses']} vs {off['losses']} without overlap"
+    assert on["norms"] == off["norms"], f"{what}: clip norms {on['norms']} vs {off['norms']}"
+    assert on["group_steps"] == off["group_steps"] and on["skipped"] == off["skipped"], what
+    for name, p in off["params"].items():
+        assert torch.equal(on["params"][name], p), \
+            f"{what}: parameter {name} differs by {(on['params'][name] - p).abs().max().item():.3g}"
+
+
+CASES = [
+    # backward mode, 4 micro-batches: the boundary from the config count, or from no_sync()
+    dict(name="s3-accum4-count", placement="s3-nvme", accum=4, accum_steps=4, mode="backward", expect="backward"),
+    dict(name="s2-accum4-nosync", placement="s2-host", accum=4, no_sync=True, mode="backward", expect="backward"),
+    # next_forward (auto: clipping is configured): clips some steps, not others; accumulation 1 and 4
+    dict(name="s3-clip", placement="s3-nvme", clip=CLIP, expect="next_forward"),
+    dict(name="s2-clip-accum4", placement="s2-nvme", clip=CLIP, accum=4, accum_steps=4, expect="next_forward"),
+    dict(name="s2-host-clip", placement="s2-host", clip=CLIP, expect="next_forward"),
+    # fp16 (auto: next_forward): the first steps overflow and are skipped, the scale halves to fit
+    dict(name="s3-fp16", placement="s3-nvme", dtype="fp16", loss_scale=2.0**18, expect="next_forward"),
+    dict(name="s2-fp16-clip", placement="s2-host", dtype="fp16", loss_scale=2.0**18, host_bytes=SMALL["host_bytes"] + 64 * 1024, clip=CLIP, accum=2,
+         accum_steps=2, expect="next_forward"),
+]
+
+
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_recipes_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
+    specs = _pairs(tmp_path, CASES)
+    per_rank = worlds(world_size).run(many, specs)
+    results = per_rank[0]
+    for case, off, on in zip(CASES, results[0::2], results[1::2]):
+        what = f"{case['name']}, world {world_size}"
+        _assert_same(off, on, what)
+        assert on["losses"][0] != on["losses"][-1], f"{what}: training did not move"
+        if case.get("clip") is not None:
+            clipped = [n > case["clip"] for n in off["norms"]]
+            assert any(clipped) and not all(clipped), f"{what}: norms {off['norms']} do not test both branches"
+        if case.get("dtype") == "fp16":
+            assert 0 < off["skipped"] < BASE["steps"], f"{what}: {off['skipped']} steps skipped"
+        for s in on["stats"]:
+            assert s["overlapped"] and s["overlap_mode"] == case["expect"], (what, s)
+            if case["expect"] == "backward":
+                # GPT: 2 blocks + root; block 1 is submitted inside the last backward
+                assert s["submitted_in_backward"] == on["units"] - 2, (what, s)
+            else:
+                assert s["submitted_in_backward"] == 0, (what, s)
+        launched = [s for s in on["stats"] if s.get("update_deferred")]
+        if case["expect"] == "next_forward":
+            applied = BASE["steps"] - on["skipped"]
+            assert len(launched) == applied, (what, [s.get("update_deferred") for s in on["stats"]])
+            # the next forward (or the final gathered()) waited for each and filled in its times
+            assert all("update_wait_s" in s and s["adam_s"] > 0 for s in launched), (what, launched)
+    for r in per_rank[1:]:   # every rank submitted the same units in backward
+        for a, b in zip(r[1::2], results[1::2]):
+            assert [s["submitted_in_backward"] for s in a["stats"]] == \
+                [s["submitted_in_backward"] for s in b["stats"]]
+
+
+# ---------------------------------------------------------------- next_forward: when the update is waited for
+
+def _start(spec: dict, overlap: bool = True):
+    cfg = offload_cases.offload_config(spec, *_rank_world())
+    cfg["optimizer"].update(overlap_backward=overlap)
+    cfg["schedule"] = {"clip_grad_norm": spec.get("clip", CLIP)}
+    model = offload_cases.build("gpt", 0)
+    model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
+    return model, opt, infinity.engine_of(model)
+
+
+def _step(model, opt, step: int, batch: int = 8) -> float:
+    ids = global_batch(step, batch)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.clip_grad_norm_(CLIP)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _params(model, engine) -> dict:
+    with engine.gathered():
+        return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("placement", ["s3-nvme", "s2-nvme"])
+def test_the_next_forward_waits_for_each_unit_just_before_it_runs(tmp_path, placement):
+    """After ``step()`` every unit's update is launched, none waited for; at each block's forward the
+    root and the blocks before it (and it) have been waited for, the blocks after it not yet; after the
+    forward nothing is pending and the step's stats carry the update's times."""
+    spec = {**BASE, **PLACEMENTS[placement], "tmp": str(tmp_path)}
+    model, opt, engine = _start(spec)
+    seen = []
+    try:
+        _step(model, opt, 0)
+        assert engine.update.pending
+        blocks = [u for u in engine.units if not u.is_root]
+        root = next(u for u in engine.units if u.is_root)
+        assert all(engine.update.overlap.waiting(u.index) for u in engine.units)
+        for unit in blocks:   # registered after the engine's hook: runs once it has waited
+            unit.module.register_forward_pre_hook(
+                lambda module, args, unit=unit: seen.append(
+                    (unit.index, engine.update.overlap.waiting(root.index),
+                     [engine.update.overlap.waiting(u.index) for u in blocks])))
+        launched = engine.stats.last_step["offload"]
+        assert launched["update_deferred"] and "update_wait_s" not in launched
+        _step(model, opt, 1)
+        assert launched["update_wait_s"] >= 0 and launched["adam_s"] > 0
+    finally:
+        engine.close()
+    first = seen[:len(blocks)]   # the forward right after the launched step
+    for i, (index, root_waiting, waiting) in enumerate(first):
+        assert index == blocks[i].index and not root_waiting
+        assert waiting == [j > i for j in range(len(blocks))], first
+
+
+FLUSHES = ("state_dict", "save", "gathered", "close")
+
+
+def flushed(spec: dict) -> dict:
+    """Two steps; right after the second ``step()`` one thing that reads every shard: its parameters."""
+    model, opt, engine = _start(spec, overlap=spec["overlap"])
+    for step in range(2):
+        _step(model, opt, step)
+    pending = engine.update.pending
+    how = spec["flush"]
+    try:
+        if how == "state_dict":   # stage 2: the full parameters
+            params = {n: t.float().clone() for n, t in model.state_dict().items()}
+        elif how == "save":
+            infinity.save_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+            fresh, fresh_opt, fresh_engine = _start(dict(spec, tmp=spec["tmp"] + "/fresh"), overlap=False)
+            try:
+                infinity.load_checkpoint(spec["tmp"] + "/ckpt", fresh, fresh_opt)
+                params = _params(fresh, fresh_engine)
+            finally:
+                fresh_engine.close()
+        elif how == "gathered":
+            params = _params(model, engine)
+        else:
+            engine.close()   # stage 2: parameters stay readable views of the full buffers
+            params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    finally:
+        engine.close()
+    return {"pending": pending, "params": params}
+
+
+def test_a_save_state_dict_gathered_and_close_wait_for_the_launched_update(tmp_path):
+    """Each reader of every shard right after a next_forward ``step()`` sees that step's parameters,
+    bitwise those of the plain step."""
+    base = {**BASE, **PLACEMENTS["s2-nvme"]}
+    ref = flushed(dict(base, overlap=False, flush="gathered", tmp=str(tmp_path / "ref")))
+    assert not ref["pending"]
+    for how in FLUSHES:
+        got = flushed(dict(base, overlap=True, flush=how, tmp=str(tmp_path / how)))
+        assert got["pending"], how
+        assert got["params"].keys() >= ref["params"].keys(), how
+        for name, p in ref["params"].items():
+            assert torch.equal(got["params"][name], p), f"{how}: {name}"
+
+
+# ---------------------------------------------------------------- next_forward: faults
+
+def faulted(spec: dict) -> dict:
+    """Steps 0-3; a checkpoint after step 1; ``fault`` ("raise" / "enospc") hits step 2's launched
+    update, so step 3's forward raises; then zero_grad is refused, the checkpoint is loaded and steps
+    2-3 run again."""
+    model, opt, engine = _start(spec, overlap=spec["overlap"])
+    out = {"error": None, "refused": None}
+    try:
+        for step in range(4):
+            if step == 2 and spec.get("fault"):
+                ids = global_batch(step, 8)
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.clip_grad_norm_(CLIP)
+                real, calls = engine.update.adam.step_, []
+                if spec["fault"] == "raise":
+
+                    def failing(*args, **kwargs):
+                        calls.append(1)
+                        if len(calls) == 2:
+                            raise RuntimeError("injected failure in the launched update")
+                        return real(*args, **kwargs)
+                    engine.update.adam.step_ = failing
+                else:
+                    wait_store_idle(engine.store)
+                    engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
+                opt.step()   # launches, returns
+                opt.zero_grad()
+                try:
+                    with pytest.raises((RuntimeError, OSError)) as err:
+                        _step(model, opt, 3)
+                    out["error"] = str(err.value)
+                    out["notes"] = getattr(err.value, "__notes__", [])
+                    with pytest.raises(RuntimeError) as refused:
+                        opt.zero_grad()
+                    out["refused"] = str(refused.value)
+                finally:
+                    engine.update.adam.step_ = real
+                    engine.store._engine.syscalls.clear()
+                infinity.load_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+                for again in (2, 3):
+                    _step(model, opt, again)
+                break
+            _step(model, opt, step)
+            if step == 1:
+                infinity.save_checkpoint(spec["tmp"] + "/ckpt", model, opt)
+        out["params"] = _params(model, engine)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["raise", "enospc"])
+def test_a_launched_update_that_fails_is_reported_and_the_last_checkpoint_loses_nothing(tmp_path, fault):
+    """An exception (or ENOSPC) inside the update ``step()`` launched: the next forward raises it with
+    a note saying the state is not a whole step, zero_grad is refused, and after loading the last
+    checkpoint the run ends bitwise where a run without the fault ends."""
+    base = {**BASE, **PLACEMENTS["s3-nvme"], "scheduler": False}
+    ref = faulted(dict(base, overlap=False, tmp=str(tmp_path / "ref")))
+    got = faulted(dict(base, overlap=True, fault=fault, tmp=str(tmp_path / fault)))
+    expected = "injected failure in the launched update" if fault == "raise" else "No space left on device"
+    assert expected in got["error"], got["error"]
+    assert any("failed part-way" in n and "load the last checkpoint" in n for n in got["notes"]), got["notes"]
+    assert "failed part-way" in got["refused"], got["refused"]
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), f"{fault}: {name}"
+
+
+def test_sigkill_inside_a_launched_update_then_resume_loses_nothing(tmp_path):
+    """A process SIGKILLed while the update its step() launched runs (one unit's Adam done): a new
+    process resumes from the last checkpoint and ends bitwise where a run without overlap ends."""
+    script = Path(__file__).resolve().parents[1] / "helpers" / "overlap_kill_script.py"
+
+    def run(mode: str) -> int:
+        return subprocess.run([sys.executable, str(script), mode, str(tmp_path)], timeout=300,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
+
+    assert run("kill") == -signal.SIGKILL
+    assert (tmp_path / "ckpt").exists() and not (tmp_path / "kill.pt").exists()
+    assert run("resume") == 0 and run("straight") == 0
+    resumed, straight = torch.load(tmp_path / "resume.pt"), torch.load(tmp_path / "straight.pt")
+    for name, p in straight.items():
+        assert torch.equal(resumed[name], p), name

@@ -1,0 +1,152 @@
+"""The overlapped update with the recipe people run (clipping + accumulation) beside its baselines, in one run.
+
+Same workload as ``tools/bench_scale.py`` (HF GPT-2 of ``--size``, bf16, everything on NVMe, the
+same init and batches), four variants, each in a child process with a fresh swap directory:
+
+- ``plain``: clip 1.0, ``--accum`` micro-batches, no overlap (the step after backward);
+- ``next_forward``: the same recipe with ``optimizer.overlap_backward`` (auto: the exact update runs
+  during the next forward);
+- ``backward``: overlap without clipping (the update during the last backward), what the clipped
+  overlapped step is held against;
+- ``plain_noclip``: no clipping, no overlap.
+
+Prints each variant's median step time (forward + backward + step; the launched update's wait lands
+in the next forward) beside ``plain``'s, the ratios, and whether the clipped variants' losses are
+bitwise equal. Times are wall clock on whatever else the machine runs: say what ran beside it.
+
+    python tools/bench_overlap.py --size small --host-bytes 1GiB --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_scale as bs  # noqa: E402  (the workload: model, init, batches)
+
+import torch  # noqa: E402
+
+VARIANTS = {   # name: (overlap_backward, clip)
+    "plain": (False, 1.0), "next_forward": (True, 1.0), "backward": (True, None), "plain_noclip": (False, None),
+}
+
+
+def child(a) -> dict:
+    from transformers import GPT2LMHeadModel
+
+    import infinity
+    overlap, clip = VARIANTS[a.variant]
+    conf = bs.infinity_config(a)
+    conf["optimizer"]["overlap_backward"] = overlap
+    conf["schedule"] = {"clip_grad_norm": clip, "accum_steps": a.accum}
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(bs.model_config(a)).train()
+    torch.manual_seed(a.seed)
+    model, opt = infinity.initialize(model, conf, init_fn=lambda m: bs.gpt2_init_(m, a.n_layer))
+    engine = infinity.engine_of(model)
+    rows = []
+    try:
+        for step in range(a.warmup + a.steps):
+            t0 = time.perf_counter()
+            fwd = bwd = 0.0
+            loss_sum = 0.0
+            for j in range(a.accum):
+                x = bs.batch(step * a.accum + j, a)
+                t = time.perf_counter()
+                loss = model(input_ids=x, labels=x).loss
+                fwd += time.perf_counter() - t
+                t = time.perf_counter()
+                (loss / a.accum).backward()
+                bwd += time.perf_counter() - t
+                loss_sum += loss.item() / a.accum
+            t = time.perf_counter()
+            norm = float(opt.clip_grad_norm_(clip)) if clip is not None else None
+            opt.step()
+            opt.zero_grad()
+            t3 = time.perf_counter()
+            off = engine.stats.last_step.get("offload", {})
+            rows.append({"loss": loss_sum, "norm": norm, "step_s": t3 - t0, "forward_s": fwd, "backward_s": bwd,
+                         "optimizer_s": t3 - t, "overlap_mode": off.get("overlap_mode", "off")})
+            print(f"[{a.variant}] step {step}{' (warm-up)' if step < a.warmup else ''} loss {loss_sum:.4f} "
+                  f"norm {norm} {t3 - t0:.2f}s (fwd {fwd:.2f} bwd {bwd:.2f} step {t3 - t:.2f})", file=sys.stderr,
+                  flush=True)
+    finally:
+        engine.close()
+    return {"rows": rows}
+
+
+def run_variant(a, variant: str) -> dict:
+    swap = tempfile.mkdtemp(prefix=f"bench_overlap_{variant}_", dir=a.nvme_path)
+    out = os.path.join(swap, "result.json")
+    args = dict(vars(a), variant=variant, swap_dir=swap, child_out=out)
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-args", json.dumps(args)],
+                           stdout=sys.stderr, check=False, timeout=a.timeout_s)
+        if p.returncode != 0:
+            raise RuntimeError(f"the {variant} child exited with {p.returncode} (its log is above)")
+        return json.loads(Path(out).read_text())
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--child-args":
+        a = argparse.Namespace(**json.loads(sys.argv[2]))
+        Path(a.child_out).write_text(json.dumps(child(a)))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", choices=list(bs.SIZES), default="small")
+    p.add_argument("--host-bytes", default="1GiB")
+    p.add_argument("--device-bytes", default="256MiB", help="on CPU the device tier is host RAM too")
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per variant (the median is reported)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--nvme-path", default=None, help="where the swap directories go (default: the system temp)")
+    p.add_argument("--timeout-s", type=float, default=3600)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    a.n_layer, a.n_embd, a.n_head = bs.SIZES[a.size]
+    a.seq, a.mbs, a.seed, a.threads = 256, 2, 1234, 2   # bench_scale's workload
+    a.swap_dir = None
+    results = {}
+    for variant in a.variants.split(","):
+        results[variant] = run_variant(a, variant)
+    med = {v: statistics.median(r["step_s"] for r in res["rows"][a.warmup:]) for v, res in results.items()}
+    phases = {v: {k: statistics.median(r[k] for r in res["rows"][a.warmup:])
+                  for k in ("forward_s", "backward_s", "optimizer_s")} for v, res in results.items()}
+    out = {"workload": {k: getattr(a, k) for k in ("size", "host_bytes", "device_bytes", "accum", "warmup", "steps",
+                                                   "set", "seq", "mbs", "variants")},
+           "median_step_s": med, "median_phase_s": phases, "results": results}
+    if "plain" in med:
+        out["over_plain"] = {v: m / med["plain"] for v, m in med.items()}
+    if "next_forward" in med and "backward" in med:
+        out["clipped_overlap_over_unclipped_overlap"] = med["next_forward"] / med["backward"]
+    if "plain" in results and "next_forward" in results:
+        out["clipped_losses_equal"] = [r["loss"] for r in results["plain"]["rows"]] == \
+            [r["loss"] for r in results["next_forward"]["rows"]]
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for v, m in med.items():
+            ph = phases[v]
+            print(f"{v:14s} {m:7.2f} s/step (fwd {ph['forward_s']:.2f} bwd {ph['backward_s']:.2f} step "
+                  f"{ph['optimizer_s']:.2f})" + (f"  {out['over_plain'][v]:.2f}x plain" if "over_plain" in out else ""))
+        for k in ("clipped_overlap_over_unclipped_overlap", "clipped_losses_equal"):
+            if k in out:
+                print(f"{k}: {out[k]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
