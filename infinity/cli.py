@@ -206,7 +206,7 @@ def _add_profile(sub) -> None:
         "profile", help="measure this machine: memcpy, host<->device, NVMe sweep, CPU Adam, collectives",
         description="Bandwidth profile of this machine (see infinity/profile.py). Writes profile.json, whose "
                     "'io' section is the best NVMe sweep row as a config io section, and profile_nvme.png.")
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer sweep points (under a minute)")
+    p.add_argument("--quick", action="store_true", help="fewer sweep points and repeats, at sizes where set-up cost vanishes (about a minute)")
     p.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     p.add_argument("--out", default="infinity-profile", metavar="DIR",
                    help="where profile.json and profile_nvme.png go (default ./infinity-profile, made if missing)")
@@ -217,7 +217,8 @@ def _add_profile(sub) -> None:
                    help="local gloo ranks for the collectives (default 2; 1 skips them)")
     p.add_argument("--bytes", default=None, metavar="SIZE",
                    help="memcpy buffer and Adam state size; each NVMe point moves a quarter of it "
-                        "(default 64MiB with --quick, 1GiB otherwise; at least 16MiB)")
+                        "(default 512MiB with --quick, 1GiB otherwise; at least 16MiB; below 512MiB "
+                        "the figures are marked as lower bounds)")
     p.set_defaults(run=_run_profile)
 
 
@@ -280,7 +281,12 @@ def _print_profile(profile: dict, paths: dict) -> None:
         print(f"  block {r['block_bytes'] // 2**20:3d} MiB  threads {r['threads']}  depth {r['queue_depth']}  "
               f"write {r['write_gbps']:6.3f} ({r['raw_write_gbps']:6.3f})  "
               f"read {r['read_gbps']:6.3f} ({r['raw_read_gbps']:6.3f})")
+    mixed = nv.get("mixed")
+    if mixed:
+        print(f"  at once (best row): write {mixed['write_gbps']:6.3f}  read {mixed['read_gbps']:6.3f}")
     print(f"best io      {json.dumps(profile['io'])}")
+    if profile.get("settings", {}).get("lower_bound"):
+        print(f"LOWER BOUND  {profile['settings']['note']}")
     print(f"wrote        {paths['json']}, {paths['plot']}")
 
 
