@@ -405,7 +405,8 @@ def _add_train(sub) -> None:
                     "Ctrl-C or SIGTERM stops after the current step, saves, and removes the swap files (exit code "
                     "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
-    p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config)")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config); "
+                   "auto (or a file with offload: auto, e.g. configs/auto.yaml): the planner picks it (infinity plan)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (default 1); under torchrun the launcher's ranks are joined instead")
     p.add_argument("--steps", type=int, default=None, metavar="N",

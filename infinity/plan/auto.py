@@ -107,10 +107,13 @@ def rates_for(profile: str | None, directory: str | None, nproc: int, say=None) 
 def run_plan(request: PlanRequest, rates: Rates, device: torch.device | None = None) -> Plan:
     """Time the model's compute at the request's shapes, then plan (:func:`make_plan`)."""
     from infinity.zero.engine import DTYPES
+    from infinity.zero.memory_report import rss_bytes, warm_torch
 
+    warm_torch()
+    baseline = rss_bytes()   # before the timing's models come and go: a training process's start
     compute = measure_compute(request.build, request.loss_fn, request.batch, request.seq,
                               DTYPES[request.param_dtype], request.vocab_size)
-    return make_plan(request, rates, compute, device=device)
+    return make_plan(request, rates, compute, device=device, baseline_bytes=baseline)
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

@@ -11,7 +11,10 @@ backward, step), so a prediction and a run compare term by term. Each comes from
   counts here through placement, not a table of its own), chunks from :meth:`Placement.chunk_numel`,
   and the chunks kept in host memory for good from :meth:`Placement.host_resident_plan`, exactly as
   ``initialize`` lays them out. A chunk on NVMe and not resident is read and written each time the
-  step walks it (an LRU cache smaller than the walk hits nothing: :mod:`infinity.zero.placement`).
+  step walks it (an LRU cache smaller than the walk hits nothing: :mod:`infinity.zero.placement`);
+  backward re-reads the parameter shards the device tier could not keep since forward. Exact for
+  parameters and optimizer states (tested against the store's counters); NVMe-homed gradients whose
+  dirty host copies are still there when the step reads them make the real reads smaller.
 - exposed I/O: a phase's disk time (reads alone at the read rate, writes alone at the write rate,
   both at once at the at-once rates, whichever is slower) less the compute it overlaps when prefetch
   runs ahead, never less than the first unit's read (nothing runs before it to hide it behind).
@@ -23,19 +26,20 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
   copies between tiers) at the memcpy rate.
 
-Peak RSS is :func:`infinity.estimate.peak_rss.predict_peak_rss`, the bound ``infinity estimate``
-prints, with the activations counted on the meta device.
+Peak RSS is :func:`infinity.estimate.peak_rss.predict_peak_rss`'s terms (the bound ``infinity estimate``
+prints, kept as ``rss_bound``) with the store's tiers at the occupancy the engine reaches instead of
+their budgets (:func:`_expected_rss`), and the activations measured with the compute.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from infinity.config import Config
 from infinity.estimate.peak_rss import RssBound, predict_peak_rss
 from infinity.store import Tier
 from infinity.zero.engine import DTYPES
-from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds
+from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, chunk_bounds
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import PHASES, TERMS
 from infinity.zero.units import TensorClass
@@ -65,6 +69,7 @@ class Prediction:
     rss: RssBound
     moved_bytes: dict
     notes: list = field(default_factory=list)
+    rss_bound: RssBound | None = None     # the upper bound infinity estimate prints (tiers at their budgets)
 
     @property
     def step_s(self) -> float:
@@ -75,7 +80,8 @@ class Prediction:
 
     def to_dict(self) -> dict:
         return {"step_s": self.step_s, "phases": self.phases, "totals": self.totals(),
-                "peak_rss": self.rss.to_dict(), "moved_bytes": self.moved_bytes, "notes": self.notes}
+                "peak_rss": self.rss.to_dict(), "peak_rss_bound": self.rss_bound.to_dict() if self.rss_bound else None,
+                "moved_bytes": self.moved_bytes, "notes": self.notes}
 
 
 def _disk_s(read_bytes: float, write_bytes: float, rates) -> float:
@@ -119,19 +125,30 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
     states = sum(on_disk[c] for c in OPTIMIZER_CLASSES)
     grads = on_disk[TensorClass.GRAD]
     deferred = placement.defer_grad_writes and grads > 0
+    # the root unit is the step's last job: its new parameter shard is still in host memory when the next
+    # forward gathers it first, so its read is a hit; the first block's read is the first one exposed
     first_unit = next((u for u in units if not u.is_root), None)
-    first = root_param or 0
-    if not first and first_unit is not None and TensorClass.PARAM in sizes and placement.params is Tier.NVME:
+    first = 0
+    if first_unit is not None and TensorClass.PARAM in sizes and placement.params is Tier.NVME:
         first = min(first_unit.shard_numel, chunk) * p_size
-    read = {"forward": params,                                   # every unit once; the root stays gathered
-            "backward": params - root_param if config.zero.reshard_after_forward else 0,
-            "step": states + (0 if deferred else grads)}
-    write = {"forward": 0, "backward": 0 if deferred else grads, "step": states + params}
-    moved = {"nvme->host": sum(read.values()), "host->nvme": sum(write.values())}
+    # stage 3 with stored parameters: forward brings every shard to the device tier; backward walks the units
+    # in reverse, so the device tier (LRU) still holds the last ones forward used and misses the rest
+    moved = {}
+    again = 0
     if placement.params is not None and StagePolicy.of(stage).shard_params:
         shard_param = sum(u.shard_numel for u in units) * p_size
-        gathers = 2 * shard_param - sum(u.shard_numel for u in units if u.is_root) * p_size
-        moved["host->device"] = gathers
+        root_shard = sum(u.shard_numel for u in units if u.is_root) * p_size
+        device_room = config.tiers.device_bytes if isinstance(config.tiers.device_bytes, int) else shard_param
+        miss = max(0, shard_param - root_shard - max(device_room - root_shard, 0)) \
+            if config.zero.reshard_after_forward else 0
+        moved["host->device"] = shard_param + miss
+        if shard_param > root_shard:
+            again = int(miss * (params - root_param) / (shard_param - root_shard))
+    read = {"forward": params - root_param,                      # every unit once; the root stays gathered
+            "backward": again,
+            "step": states + (0 if deferred else grads)}
+    write = {"forward": 0, "backward": 0 if deferred else grads, "step": states + params}
+    moved.update({"nvme->host": sum(read.values()), "host->nvme": sum(write.values())})
     if placement.grads is not None and stage >= 2:
         moved["device->host"] = sum(u.shard_numel for u in units) * r_size
     return {"read": read, "write": write, "moved": {k: v for k, v in moved.items() if v},
@@ -230,11 +247,40 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     step["unattributed_s"] = (read["step"] + write["step"]) / memcpy / 4   # staging copies beside the disk
 
     activations = layout.activation_bytes[checkpointing]
-    rss = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
-                           device_is_host, max_live_bytes, activations, layout.largest_param_numel)
+    bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
+                             device_is_host, max_live_bytes, activations, layout.largest_param_numel)
+    rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host)
     moved = dict(traffic["moved"])
     if prefetching is False and read["forward"]:
         notes.append("prefetch off: every parameter read is exposed")
     if rates.lower_bound:
         notes.append("the profile's figures are lower bounds (a small --bytes): I/O predictions read high")
-    return Prediction(phases=phases, rss=rss, moved_bytes=moved, notes=notes)
+    return Prediction(phases=phases, rss=rss, moved_bytes=moved, notes=notes, rss_bound=bound)
+
+
+def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_size, r_size, budgets,
+                  device_is_host: bool) -> RssBound:
+    """The bound with the store's tiers at the occupancy the engine reaches rather than their budgets:
+    host = homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
+    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them), within the budget; the device tier
+    (RAM on a CPU device) holds stage-3 parameter copies only, so it is empty otherwise."""
+    if not placement.any_offload:
+        return bound
+    homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
+    resident = sum(_plan_bytes(traffic["plan"], placement, units, stage, p_size, r_size))
+    host = min(budgets[Tier.HOST], homed + resident + RESIDENT_RESERVE_JOBS * chunk_job)
+    device = bound.device_tier_bytes
+    if not (StagePolicy.of(stage).shard_params and placement.params is not None) or not device_is_host:
+        device = 0
+    return replace(bound, host_tier_bytes=host, device_tier_bytes=device)
+
+
+def _plan_bytes(plan: dict, placement, units, stage, p_size, r_size):
+    """Bytes of each unit's chunks kept in host memory for good (``plan``: host_resident_plan's answer)."""
+    sizes = placement.stored_itemsizes(stage, p_size, r_size)
+    chunk = placement.chunk_numel(stage, p_size, r_size)
+    for u in units:
+        kept = plan.get(u.index, frozenset())
+        if kept:
+            bounds = chunk_bounds(u.shard_numel, chunk)
+            yield sum(sizes.get(cls, 0) * (bounds[c][1] - bounds[c][0]) for cls, c in kept)

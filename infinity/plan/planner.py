@@ -24,7 +24,6 @@ import torch
 import torch.nn as nn
 
 from infinity.config import Config, ConfigError, format_size
-from infinity.estimate.peak_rss import meta_activation_bytes
 from infinity.plan.cost import Layout, Prediction, predict
 from infinity.plan.rates import ComputeRates, PlanInputError, Rates
 from infinity.store import Tier
@@ -34,7 +33,7 @@ from infinity.zero.live_units import resolve_cap
 from infinity.zero.memory_report import rss_bytes, warm_torch
 from infinity.zero.placement import Placement
 from infinity.zero.stats import PHASES, TERMS
-from infinity.zero.units import choose_unit_modules, group_index, plan_units, shard_align_numel
+from infinity.zero.units import group_index, plan_units, shard_align_numel
 
 __all__ = ["PlanRequest", "Plan", "Choice", "InfeasiblePlan", "DIMENSIONS", "make_plan", "model_layout"]
 
@@ -168,10 +167,10 @@ def _config_sections(config: Config) -> dict:
     return config.to_dict()
 
 
-def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int) -> Layout:
-    """The units ``initialize`` would cut (meta device) at ``stage`` and the activations one micro-batch
-    saves, with and without activation checkpointing (counted on meta tensors, as the memory report
-    counts them, plus the inputs the checkpoint keeps per block)."""
+def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int,
+                 compute: ComputeRates) -> Layout:
+    """The units ``initialize`` would cut (meta device) at ``stage``, and the activations one micro-batch
+    saves with and without activation checkpointing (measured with the compute: :func:`measure_compute`)."""
     with torch.device("meta"):
         model = request.build()
     param_dtype, reduce = DTYPES[request.param_dtype], DTYPES[reduce_dtype]
@@ -179,55 +178,8 @@ def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_b
     group_of = group_index(model, [{"params": params}])
     align = shard_align_numel({param_dtype, reduce, torch.float32})
     units = plan_units(model, group_of, (), 1 if stage == 0 else request.world, align)
-    model.to(param_dtype)
-    ids = torch.zeros((request.batch, request.seq), dtype=torch.long, device="meta")
-    plain = meta_activation_bytes(model, lambda m: request.loss_fn(m, ids, ids))
-    # checkpointed: each block keeps its input for the recompute, the rest of what it saved is dropped
-    inputs: list = []
-    handles = [m.register_forward_pre_hook(lambda _m, args: inputs.append(
-        args[0].numel() * args[0].element_size() if args and isinstance(args[0], torch.Tensor) else 0))
-        for _, m in choose_unit_modules(model)]
-    try:
-        with torch.no_grad():
-            request.loss_fn(model, ids, ids)
-    finally:
-        for h in handles:
-            h.remove()
-    block_saves = _block_saved_bytes(request, model, ids)
-    ckpt = max(plain - block_saves + sum(inputs), 0)
-    return Layout(units=units, activation_bytes={False: plain, True: ckpt},
+    return Layout(units=units, activation_bytes={c: compute.activation_bytes(c) for c in (False, True)},
                   largest_param_numel=max(p.numel() for p in params), baseline_bytes=baseline_bytes)
-
-
-def _block_saved_bytes(request: PlanRequest, model: nn.Module, ids) -> int:
-    """Bytes all blocks together save for backward (what checkpointing drops): the model's saves less
-    those of the model with its blocks replaced by identities."""
-    from infinity.zero.memory_report import SavedTensorMeter
-
-    mods = choose_unit_modules(model)
-    if not mods:
-        return 0
-    total = meta_activation_bytes(model, lambda m: request.loss_fn(m, ids, ids))
-    # count only inside the blocks: push the meter on each block's forward, pop after
-    meter = SavedTensorMeter()
-    ctx: list = []
-
-    def pre(_m, _a):
-        c = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
-        c.__enter__()
-        ctx.append(c)
-
-    def post(_m, _a, _o):
-        ctx.pop().__exit__(None, None, None)
-    handles = [h for _, m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    try:
-        out = request.loss_fn(model, ids, ids)
-    finally:
-        for h in handles:
-            h.remove()
-    inside = meter.peak_bytes
-    del out
-    return min(inside, total)
 
 
 def _knob_dict(values: tuple) -> dict:
@@ -266,23 +218,26 @@ def _enumerate(request: PlanRequest, io: dict):
 
 
 def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device: torch.device | None = None,
-              alternatives: int = 3) -> Plan:
-    """Predict every candidate and pick the fastest that fits (module doc); raises :class:`InfeasiblePlan`."""
+              alternatives: int = 3, baseline_bytes: int | None = None) -> Plan:
+    """Predict every candidate and pick the fastest that fits (module doc); raises :class:`InfeasiblePlan`.
+    ``baseline_bytes``: the training process's RSS before ``initialize`` (default: this process's now,
+    torch warmed; measure it before timing the compute, which leaves freed memory behind)."""
     device = device if device is not None else torch.device("cpu")
     device_is_host = device.type == "cpu"
     grants = Config.from_dict({"tiers": {k: v for k, v in (("host_bytes", request.host_bytes),
                                                           ("device_bytes", request.device_bytes)) if v is not None}})
     budgets = resolve_budgets(grants.tiers, device)
     host_grant, device_grant = budgets[Tier.HOST], budgets[Tier.DEVICE]
-    warm_torch()
-    baseline = rss_bytes()
+    if baseline_bytes is None:
+        warm_torch()
+    baseline = rss_bytes() if baseline_bytes is None else baseline_bytes
     ram = rates.ram_available_bytes
     layouts: dict = {}
     choices: list = []
     for knobs, config in _enumerate(request, rates.io):
         stage, reduce_dtype = knobs["zero.stage"], knobs["precision.reduce_dtype"]
         if (stage, reduce_dtype) not in layouts:
-            layouts[stage, reduce_dtype] = model_layout(request, stage, reduce_dtype, baseline)
+            layouts[stage, reduce_dtype] = model_layout(request, stage, reduce_dtype, baseline, compute)
         layout = layouts[stage, reduce_dtype]
         choices.append(_judge(knobs, config, layout, compute, rates, request.world, host_grant, device_grant,
                               device_is_host, ram))
@@ -319,7 +274,8 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     placement = Placement.from_config(config)
     full = {u.name: u.padded_numel * p_size for u in layout.units}
     root = next((u.name for u in layout.units if u.is_root), None)
-    max_live = resolve_cap(config.prefetch.max_live_bytes, full, root) if stage == 3 else 0
+    # the cap bounds what is gathered at once, and so does the model: never more than all of it
+    max_live = min(resolve_cap(config.prefetch.max_live_bytes, full, root), sum(full.values())) if stage == 3 else 0
     # what the engine keeps in device memory outside the store: the same terms as the RSS bound's
     # (on a CPU device they are RAM; on CUDA the bound counts them as 0, so ask it as if on the host)
     on_device = predict_device_bytes(layout, placement, stage, p_size, r_size, max_live,

@@ -8,12 +8,14 @@ Every rate the planner uses is a measurement of this machine:
   parameters per second per state format, and collective algorithm bandwidth per op and size.
 - :class:`ComputeRates` from timing the model itself (:func:`measure_compute`): forward and backward
   seconds of the root unit and of one block, at the step's token count and compute dtype, found by
-  running the model cut to one block and to two (the difference is one block, the rest the root).
+  running the model (whole, or cut to two blocks when it is large), each block timed by hooks and the
+  root as the rest.
   FLOP/s at the model's own shapes, attention, norms and the loss included, not a matmul's peak.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -135,7 +137,16 @@ class ComputeRates:
     block_backward_s: float
     blocks: int
     flops_per_s: float = 0.0          # 6 x parameters x tokens over the measured forward + backward
+    root_saved_bytes: int = 0         # tensors the forward saves for backward outside the blocks
+    block_saved_bytes: int = 0        # ... inside one block (what activation checkpointing drops)
+    block_input_bytes: int = 0        # one block's input (what activation checkpointing keeps instead)
     measured: dict = field(default_factory=dict)
+
+    def activation_bytes(self, checkpointing: bool) -> int:
+        """Saved-for-backward bytes of the whole model's forward at the measured micro-batch, as the
+        engine's memory report counts them (unique storages, parameters excluded)."""
+        per_block = self.block_input_bytes if checkpointing else self.block_saved_bytes
+        return self.root_saved_bytes + self.blocks * per_block
 
     def forward_s(self) -> float:
         return self.root_forward_s + self.blocks * self.block_forward_s
@@ -159,9 +170,11 @@ def truncated_model(build: Callable[[], nn.Module], blocks: int) -> tuple:
         raise PlanInputError(f"{type(model).__name__}: no ModuleList of blocks to time one block by")
     parent_name = units[0][0].rsplit(".", 1)[0]
     parent = model.get_submodule(parent_name)
-    keep = nn.ModuleList(list(parent)[:blocks])
-    owner_name, _, attr = parent_name.rpartition(".")
-    setattr(model.get_submodule(owner_name) if owner_name else model, attr, keep)
+    full = len(list(parent))
+    if blocks < full:
+        keep = nn.ModuleList(list(parent)[:blocks])
+        owner_name, _, attr = parent_name.rpartition(".")
+        setattr(model.get_submodule(owner_name) if owner_name else model, attr, keep)
     model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -170,39 +183,133 @@ def truncated_model(build: Callable[[], nn.Module], blocks: int) -> tuple:
         for b in model.buffers():
             if b.is_floating_point():
                 b.zero_()
-    return model, len(list(parent))
+    return model, full
+
+
+class _BlockClock:
+    """Forward and backward seconds inside each block, from hooks: forward between the block's pre- and
+    post-hooks; backward from the gradient reaching its output to the gradient leaving for its input."""
+
+    def __init__(self, blocks: list):
+        self.forward_s = [0.0] * len(blocks)
+        self.backward_s = [0.0] * len(blocks)
+        self.input_bytes = 0
+        self._t: dict = {}
+        self.handles = []
+        for i, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(functools.partial(self._pre, i)))
+            self.handles.append(block.register_forward_hook(functools.partial(self._post, i)))
+
+    def _pre(self, i, _module, args):
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is not None:
+            self.input_bytes = max(self.input_bytes, x.numel() * x.element_size())
+            if x.requires_grad:   # the gradient leaving the block for its input: its backward is done
+                x.register_hook(functools.partial(self._left, i))
+        self._t[("f", i)] = time.perf_counter()
+
+    def _post(self, i, _module, _args, out):
+        self.forward_s[i] += time.perf_counter() - self._t.pop(("f", i))
+        y = out[0] if isinstance(out, tuple) else out
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            y.register_hook(functools.partial(self._entered, i))
+
+    def _entered(self, i, grad):
+        self._t[("b", i)] = time.perf_counter()
+
+    def _left(self, i, grad):
+        t0 = self._t.pop(("b", i), None)
+        if t0 is not None:
+            self.backward_s[i] += time.perf_counter() - t0
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+# The whole model is timed when its weights and gradients in the compute dtype take at most this much
+# memory; a bigger one is cut to two blocks and the blocks' time extrapolated (which reads low where the
+# whole model's working set runs slower than two blocks')
+WHOLE_MODEL_BYTES = 4 * 2**30
 
 
 def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: int, dtype: torch.dtype,
-                    vocab: int, repeats: int = 2) -> ComputeRates:
-    """Time forward and backward of the model cut to one block and to two (:func:`truncated_model`), best
-    of ``repeats`` after a warm-up; ``loss_fn(model, input_ids, labels)`` is the training loss."""
+                    vocab: int, repeats: int = 1, blocks: int | None = None) -> ComputeRates:
+    """Time forward and backward of the model (cut to ``blocks`` blocks, :func:`truncated_model`; default:
+    the whole model if it is within :data:`WHOLE_MODEL_BYTES`, else two blocks), best of ``repeats`` after a
+    warm-up, each block timed by hooks (:class:`_BlockClock`) and the root as the rest; also the bytes the
+    forward saves for backward, in the blocks and outside. ``loss_fn(model, input_ids, labels)`` is the
+    training loss."""
+    from infinity.zero.memory_report import SavedTensorMeter
+
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-    times, blocks_full, params = {}, 0, {}
-    for blocks in (1, 2):
-        model, blocks_full = truncated_model(build, blocks)
-        model.to(dtype)
-        params[blocks] = sum(p.numel() for p in model.parameters())
-        fwd = bwd = math.inf
-        for i in range(repeats + 1):
+    if blocks is None:
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in build().parameters())
+        item = torch.empty((), dtype=dtype).element_size()
+        blocks = 10**9 if 2 * numel * item <= WHOLE_MODEL_BYTES else 2
+    model, blocks_full = truncated_model(build, blocks)
+    blocks = min(blocks, blocks_full)
+    model.to(dtype)
+    mods = [m for _, m in choose_unit_modules(model)]
+    params = sum(p.numel() for p in model.parameters())
+    block_params = sum(p.numel() for p in mods[0].parameters())
+    best = {k: math.inf for k in ("fwd", "bwd", "block_f", "block_b")}
+    saved = inside = 0
+    for i in range(repeats + 1):
+        clock = _BlockClock(mods)
+        meter, in_blocks = SavedTensorMeter(), SavedTensorMeter()
+        try:
             t0 = time.perf_counter()
-            loss = loss_fn(model, ids, ids)
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                loss = loss_fn(model, ids, ids)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            model.zero_grad(set_to_none=True)
-            if i:   # the first run is the warm-up (kernels load, allocator grows)
-                fwd, bwd = min(fwd, t1 - t0), min(bwd, t2 - t1)
-        times[blocks] = (fwd, bwd)
-        del model, loss
-    (f1, b1), (f2, b2) = times[1], times[2]
-    block_f, block_b = max(f2 - f1, 0.0), max(b2 - b1, 0.0)
-    root_f, root_b = max(f1 - block_f, 0.0), max(b1 - block_b, 0.0)
+        finally:
+            clock.remove()
+        model.zero_grad(set_to_none=True)
+        saved = meter.peak_bytes
+        del loss
+        if i == 0:   # the warm-up (kernels load, the allocator grows); also where the blocks' saves are counted
+            inside = _saved_inside(model, mods, loss_fn, ids, in_blocks)
+            continue
+        best["fwd"], best["bwd"] = min(best["fwd"], t1 - t0), min(best["bwd"], t2 - t1)
+        best["block_f"] = min(best["block_f"], sum(clock.forward_s) / len(mods))
+        best["block_b"] = min(best["block_b"], sum(clock.backward_s) / len(mods))
+    del model
+    block_f, block_b = best["block_f"], best["block_b"]
+    root_f = max(best["fwd"] - blocks * block_f, 0.0)
+    root_b = max(best["bwd"] - blocks * block_b, 0.0)
     tokens = batch * seq
-    block_params = params[2] - params[1]
-    total_params = params[1] - block_params + blocks_full * block_params
+    total_params = params + (blocks_full - blocks) * block_params
     total_s = root_f + root_b + blocks_full * (block_f + block_b)
     return ComputeRates(tokens=tokens, dtype=str(dtype).removeprefix("torch."), root_forward_s=root_f,
                         root_backward_s=root_b, block_forward_s=block_f, block_backward_s=block_b,
                         blocks=blocks_full, flops_per_s=6 * total_params * tokens / max(total_s, 1e-9),
-                        measured={"one_block_s": list(times[1]), "two_blocks_s": list(times[2])})
+                        root_saved_bytes=max(saved - inside, 0), block_saved_bytes=inside // blocks,
+                        block_input_bytes=clock.input_bytes,
+                        measured={"forward_s": best["fwd"], "backward_s": best["bwd"], "timed_blocks": blocks,
+                                  "saved_bytes": saved})
+
+
+def _saved_inside(model, mods, loss_fn, ids, meter) -> int:
+    """Bytes the blocks' own forwards save for backward (the meter pushed only while a block runs)."""
+    ctx: list = []
+
+    def pre(_m, _a):
+        c = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)
+        c.__enter__()
+        ctx.append(c)
+
+    def post(_m, _a, _o):
+        ctx.pop().__exit__(None, None, None)
+    handles = [h for m in mods for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    try:
+        loss = loss_fn(model, ids, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    peak = meter.peak_bytes
+    del loss
+    return peak

@@ -1,0 +1,230 @@
+"""Prediction accuracy of ``infinity plan``: plan -> train a few steps -> predicted vs measured, per workload.
+
+    python tools/bench_plan.py --profile PROFILE.json [--workloads small-1g,small-4g,small-s3-w2] [--steps 4]
+                               [--swap-dir DIR] [--json]
+
+For each workload the planner picks a config (or, with a fixed ``config``, only predicts it); the
+config is then trained for ``--steps`` steps in a fresh process (``world`` ranks over gloo), and the
+median of the steps after the first (the first records the prefetch order) is compared with the
+prediction: the step time, each phase's terms (compute / I/O waited on / Adam / communication /
+unattributed, :mod:`infinity.zero.stats`), peak RSS (the engine's memory report, VmHWM per step) and
+the NVMe bytes per step. The worst step and RSS errors are printed last. ``--sweep`` adds the
+choice-quality check: the planner's config and hand-written ones measured back to back.
+
+Workloads (GPT-2 small is transformers' GPT2LMHeadModel from GPT2Config, vocab 50257, 12 x 768,
+sequence 256, micro-batch 2, bf16 compute):
+  small-1g     host_bytes 1GiB, device_bytes 1GiB (on CPU the device tier is RAM too)
+  small-4g     host_bytes 4GiB, device_bytes 1GiB
+  small-s3-w2  stage 3 in memory (nothing offloaded), world size 2, device_bytes 4GiB per rank
+The machine may be shared: the load average is printed beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+GPT2_SMALL = "hf:GPT2Config:vocab_size=50257,n_layer=12,n_embd=768,n_head=12,n_positions=1024"
+GIB = 2**30
+WORKLOADS = {
+    "small-1g": {"model": GPT2_SMALL, "host": 1 * GIB, "device": 1 * GIB, "world": 1},
+    "small-4g": {"model": GPT2_SMALL, "host": 4 * GIB, "device": 1 * GIB, "world": 1},
+    "small-s3-w2": {"model": GPT2_SMALL, "host": 1 * GIB, "device": 4 * GIB, "world": 2,
+                    "fixed": {"zero.stage": 3, "offload.params": "none", "offload.grads": "none",
+                              "offload.optimizer": "none"}},
+}
+SEQ, MBS = 256, 2
+
+
+def _gpt2_init(module) -> None:
+    """GPT-2's init on a module built on the meta device: matrices normal(0, 0.02), norms 1, biases 0."""
+    import torch
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+            elif name.rsplit(".", 1)[-1] == "weight":
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def _child(args) -> None:
+    """One rank of a measured run: build on meta, initialize, train, print the per-step stats as JSON."""
+    import torch
+    import torch.distributed as dist
+
+    import infinity
+    from infinity.train.models import build_model, parse_model_spec, unit_init_fn
+    from infinity.zero.memory_report import warm_torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.world))
+    rank = int(os.environ.get("RANK", "0"))
+    warm_torch()
+    spec = parse_model_spec(args.model)
+    with torch.device("meta"):
+        model, loss_fn = build_model(spec, SEQ)
+    cfg = infinity.Config.from_file(args.config)
+    if args.world > 1:
+        cfg = cfg.replace(tiers={"nvme_path": os.path.join(cfg.tiers.nvme_path, f"rank{rank}")})
+        os.makedirs(cfg.tiers.nvme_path, exist_ok=True)
+    model, opt = infinity.initialize(model, cfg, init_fn=unit_init_fn(model) or _gpt2_init)
+    engine = infinity.engine_of(model)
+    engine.memory.enable()
+    gen = torch.Generator().manual_seed(rank)
+    steps = []
+    for step in range(args.steps):
+        ids = torch.randint(0, 1024, (MBS, SEQ), generator=gen)
+        t0 = time.perf_counter()
+        loss_fn(model, ids, ids).backward()
+        opt.step()
+        opt.zero_grad()
+        wall = time.perf_counter() - t0
+        last = engine.stats.last_step
+        steps.append({"wall_s": wall, "attribution": last["attribution"],
+                      "moved_bytes": (last.get("offload") or {}).get("moved_bytes", {}),
+                      "memory": engine.memory_report(), "load": os.getloadavg()[0]})
+    engine.close()
+    if rank == 0:
+        print("BENCH_JSON " + json.dumps(steps))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _measure(config_path: str, model: str, world: int, steps: int) -> list:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config_path, "--model", model,
+           "--steps", str(steps), "--world", str(world)]
+    env = dict(os.environ, PYTHONPATH=REPO)   # the engine fixes glibc's mmap threshold itself (tiers config)
+    if world > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] + cmd[1:]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"measured run failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON "))
+    return json.loads(line[len("BENCH_JSON "):])
+
+
+def _median_attribution(steps: list) -> dict:
+    from infinity.zero.stats import PHASES, TERMS
+    later = steps[1:] or steps
+    return {p: {t: statistics.median(s["attribution"][p][t] for s in later) for t in TERMS}
+            for p in PHASES}
+
+
+def _plan(name: str, w: dict, rates, swap_dir: str):
+    from infinity.plan.auto import run_plan
+    from infinity.plan import planner
+    from infinity.train.auto import request_for_model
+
+    request = request_for_model(w["model"], tokens=SEQ * MBS, world=w["world"], host_bytes=w["host"],
+                                device_bytes=w["device"], swap_dir=swap_dir, seq_len=SEQ,
+                                base={"optimizer": {"threads": "auto"}})
+    if "fixed" not in w:
+        return run_plan(request, rates)
+    saved = dict(planner.DIMENSIONS)
+    try:   # the workload fixes some knobs: the planner chooses the rest
+        for key, value in w["fixed"].items():
+            planner.DIMENSIONS[key] = (value,)
+        return run_plan(request, rates)
+    finally:
+        planner.DIMENSIONS.clear()
+        planner.DIMENSIONS.update(saved)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", help="infinity profile JSON")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--swap-dir", default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        _child(a)
+        return
+    import yaml
+
+    from infinity.plan import load_profile
+    from infinity.zero.stats import PHASES, TERMS
+
+    rates = load_profile(a.profile)
+    swap_root = a.swap_dir or tempfile.mkdtemp(prefix="bench-plan-", dir=os.getcwd())
+    results = []
+    try:
+        for name in a.workloads.split(","):
+            w = WORKLOADS[name]
+            swap = os.path.join(swap_root, name)
+            os.makedirs(swap, exist_ok=True)
+            plan = _plan(name, w, rates, swap)
+            pred = plan.chosen.prediction
+            cfg_path = os.path.join(swap_root, f"{name}.yaml")
+            with open(cfg_path, "w") as f:
+                yaml.safe_dump(plan.config_dict(), f, sort_keys=False)
+            steps = _measure(cfg_path, w["model"], w["world"], a.steps)
+            later = steps[1:] or steps
+            measured_step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
+            peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
+            measured_rss = max(peaks) if peaks else None
+            nvme = statistics.median(sum(v for k, v in s["moved_bytes"].items() if "nvme" in k) for s in later)
+            row = {"workload": name, "chosen": plan.chosen.label(), "predicted_step_s": pred.step_s,
+                   "measured_step_s": measured_step, "step_error": pred.step_s / measured_step - 1,
+                   "predicted_rss_bytes": pred.rss.total_bytes, "measured_rss_bytes": measured_rss,
+                   "rss_error": pred.rss.total_bytes / measured_rss - 1 if measured_rss else None,
+                   "predicted_nvme_bytes": sum(v for k, v in pred.moved_bytes.items() if "nvme" in k),
+                   "measured_nvme_bytes": nvme,
+                   "predicted_phases": pred.phases, "measured_phases": _median_attribution(steps),
+                   "load": [round(s["load"], 2) for s in steps], "steps": len(steps),
+                   "predicted_rss_terms": pred.rss.to_dict(), "measured_memory": steps[-1]["memory"]}
+            results.append(row)
+            if not a.json:
+                print(f"== {name}: {row['chosen']}  (load avg {row['load']})")
+                print(f"   step  predicted {pred.step_s:7.2f} s  measured {measured_step:7.2f} s  "
+                      f"error {row['step_error']:+.1%}")
+                if measured_rss:
+                    print(f"   RSS   predicted {pred.rss.total_bytes / GIB:7.2f} GiB  measured "
+                          f"{measured_rss / GIB:7.2f} GiB  error {row['rss_error']:+.1%}")
+                    print("   RSS terms predicted: " + ", ".join(
+                        f"{k.removesuffix('_bytes')} {v / 2**20:.0f}" for k, v in pred.rss.to_dict().items()) + " MiB")
+                    mem = steps[-1]["memory"]
+                    print("   RSS terms measured:  " + ", ".join(
+                        f"{k.removesuffix('_bytes')} {mem[k] / 2**20:.0f}" for k in mem
+                        if k.endswith("_bytes") and isinstance(mem[k], int)) + " MiB")
+                print(f"   NVMe  predicted {row['predicted_nvme_bytes'] / GIB:7.2f} GiB  measured "
+                      f"{nvme / GIB:7.2f} GiB per step")
+                print("   phase     " + "".join(f"{t[:-2]:>14}" for t in TERMS) + "   (predicted / measured)")
+                for p in PHASES:
+                    print(f"   {p:<9} " + "".join(
+                        f"{pred.phases[p][t]:>6.2f}/{row['measured_phases'][p][t]:<7.2f}" for t in TERMS))
+    finally:
+        if a.swap_dir is None:
+            shutil.rmtree(swap_root, ignore_errors=True)
+    worst_step = max(results, key=lambda r: abs(r["step_error"]))
+    rss_rows = [r for r in results if r["rss_error"] is not None]
+    worst_rss = max(rss_rows, key=lambda r: abs(r["rss_error"])) if rss_rows else None
+    summary = {"worst_step_error": worst_step["step_error"], "worst_step_workload": worst_step["workload"],
+               "worst_rss_error": worst_rss["rss_error"] if worst_rss else None,
+               "worst_rss_workload": worst_rss["workload"] if worst_rss else None}
+    if a.json:
+        print(json.dumps({"results": results, "summary": summary}, indent=2))
+    else:
+        print(f"worst step error {summary['worst_step_error']:+.1%} ({summary['worst_step_workload']}); "
+              f"worst peak-RSS error " + (f"{summary['worst_rss_error']:+.1%} ({summary['worst_rss_workload']})"
+                                          if worst_rss else "n/a"))
+
+
+if __name__ == "__main__":
+    main()
