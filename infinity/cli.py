@@ -312,6 +312,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq-len", type=int, default=None, metavar="L", help="sequence length (default as infinity train)")
     p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype (default bf16)")
     p.add_argument("--swap-dir", default=None, metavar="DIR", help="nvme_path of the chosen config (default ./infinity_swap)")
+    p.add_argument("--fix", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="plan with this knob fixed (repeatable), e.g. --fix zero.stage=3 --fix offload.optimizer=none")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the chosen config there (YAML)")
     p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     p.set_defaults(run=_run_plan)
@@ -328,12 +330,19 @@ def _run_plan(args) -> int:
     for flag, value in (("--devices", args.devices), ("--tokens", args.tokens), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise UsageError(f"infinity plan: {flag} must be >= 1, got {value}")
+    fixed = {}
+    for item in args.fix:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise UsageError(f"infinity plan: --fix {item!r}: expected SECTION.KEY=VALUE, e.g. zero.stage=3")
+        key = key.strip()
+        fixed[key] = parse_size(text, f"--fix {key}") if key.endswith("bytes") else yaml.safe_load(text)
     try:
         request = request_for_model(
             args.model, tokens=args.tokens, world=args.devices,
             host_bytes=None if args.host_bytes in (None, "auto") else parse_size(args.host_bytes, "--host-bytes"),
             device_bytes=None if args.device_bytes in (None, "auto") else parse_size(args.device_bytes, "--device-bytes"),
-            swap_dir=args.swap_dir, param_dtype=args.param_dtype, seq_len=args.seq_len)
+            swap_dir=args.swap_dir, param_dtype=args.param_dtype, seq_len=args.seq_len, fixed=fixed)
         plan = plan_model(request, args.profile, None if args.json else (lambda m: print(m, file=sys.stderr)))
     except (InfeasiblePlan, PlanInputError, TrainError) as e:
         raise UsageError(f"infinity plan: {e}") from None

@@ -121,24 +121,18 @@ def _median_attribution(steps: list) -> dict:
             for p in PHASES}
 
 
-def _plan(name: str, w: dict, rates, swap_dir: str):
-    from infinity.plan.auto import run_plan
-    from infinity.plan import planner
-    from infinity.train.auto import request_for_model
-
-    request = request_for_model(w["model"], tokens=SEQ * MBS, world=w["world"], host_bytes=w["host"],
-                                device_bytes=w["device"], swap_dir=swap_dir, seq_len=SEQ,
-                                base={"optimizer": {"threads": "auto"}})
-    if "fixed" not in w:
-        return run_plan(request, rates)
-    saved = dict(planner.DIMENSIONS)
-    try:   # the workload fixes some knobs: the planner chooses the rest
-        for key, value in w["fixed"].items():
-            planner.DIMENSIONS[key] = (value,)
-        return run_plan(request, rates)
-    finally:
-        planner.DIMENSIONS.clear()
-        planner.DIMENSIONS.update(saved)
+def _plan(w: dict, profile: str, swap_dir: str, cfg_path: str) -> dict:
+    """``infinity plan --json`` in its own process (as a user runs it: its baseline RSS is a fresh one)."""
+    cmd = [sys.executable, "-m", "infinity.cli", "plan", "--model", w["model"], "--tokens", str(SEQ * MBS),
+           "--seq-len", str(SEQ), "--devices", str(w["world"]), "--host-bytes", str(w["host"]),
+           "--device-bytes", str(w["device"]), "--profile", profile, "--swap-dir", swap_dir, "--out", cfg_path,
+           "--json"]
+    for key, value in w.get("fixed", {}).items():
+        cmd += ["--fix", f"{key}={value}"]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"infinity plan failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout)
 
 
 def main() -> None:
@@ -158,10 +152,8 @@ def main() -> None:
         return
     import yaml
 
-    from infinity.plan import load_profile
     from infinity.zero.stats import PHASES, TERMS
 
-    rates = load_profile(a.profile)
     swap_root = a.swap_dir or tempfile.mkdtemp(prefix="bench-plan-", dir=os.getcwd())
     results = []
     try:
@@ -169,36 +161,36 @@ def main() -> None:
             w = WORKLOADS[name]
             swap = os.path.join(swap_root, name)
             os.makedirs(swap, exist_ok=True)
-            plan = _plan(name, w, rates, swap)
-            pred = plan.chosen.prediction
             cfg_path = os.path.join(swap_root, f"{name}.yaml")
-            with open(cfg_path, "w") as f:
-                yaml.safe_dump(plan.config_dict(), f, sort_keys=False)
+            plan = _plan(w, a.profile, swap, cfg_path)
+            pred = plan["predicted"]
+            pred_step, pred_rss = pred["step_s"], pred["peak_rss"]["total_bytes"]
             steps = _measure(cfg_path, w["model"], w["world"], a.steps)
             later = steps[1:] or steps
             measured_step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
             peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
             measured_rss = max(peaks) if peaks else None
             nvme = statistics.median(sum(v for k, v in s["moved_bytes"].items() if "nvme" in k) for s in later)
-            row = {"workload": name, "chosen": plan.chosen.label(), "predicted_step_s": pred.step_s,
-                   "measured_step_s": measured_step, "step_error": pred.step_s / measured_step - 1,
-                   "predicted_rss_bytes": pred.rss.total_bytes, "measured_rss_bytes": measured_rss,
-                   "rss_error": pred.rss.total_bytes / measured_rss - 1 if measured_rss else None,
-                   "predicted_nvme_bytes": sum(v for k, v in pred.moved_bytes.items() if "nvme" in k),
+            row = {"workload": name, "chosen": plan["chosen"], "predicted_step_s": pred_step,
+                   "measured_step_s": measured_step, "step_error": pred_step / measured_step - 1,
+                   "predicted_rss_bytes": pred_rss, "measured_rss_bytes": measured_rss,
+                   "rss_error": pred_rss / measured_rss - 1 if measured_rss else None,
+                   "predicted_nvme_bytes": sum(v for k, v in pred["moved_bytes"].items() if "nvme" in k),
                    "measured_nvme_bytes": nvme,
-                   "predicted_phases": pred.phases, "measured_phases": _median_attribution(steps),
+                   "predicted_phases": pred["phases"], "measured_phases": _median_attribution(steps),
                    "load": [round(s["load"], 2) for s in steps], "steps": len(steps),
-                   "predicted_rss_terms": pred.rss.to_dict(), "measured_memory": steps[-1]["memory"]}
+                   "predicted_rss_terms": pred["peak_rss"], "measured_memory": steps[-1]["memory"],
+                   "config": cfg_path}
             results.append(row)
             if not a.json:
                 print(f"== {name}: {row['chosen']}  (load avg {row['load']})")
-                print(f"   step  predicted {pred.step_s:7.2f} s  measured {measured_step:7.2f} s  "
+                print(f"   step  predicted {pred_step:7.2f} s  measured {measured_step:7.2f} s  "
                       f"error {row['step_error']:+.1%}")
                 if measured_rss:
-                    print(f"   RSS   predicted {pred.rss.total_bytes / GIB:7.2f} GiB  measured "
+                    print(f"   RSS   predicted {pred_rss / GIB:7.2f} GiB  measured "
                           f"{measured_rss / GIB:7.2f} GiB  error {row['rss_error']:+.1%}")
                     print("   RSS terms predicted: " + ", ".join(
-                        f"{k.removesuffix('_bytes')} {v / 2**20:.0f}" for k, v in pred.rss.to_dict().items()) + " MiB")
+                        f"{k.removesuffix('_bytes')} {v / 2**20:.0f}" for k, v in pred["peak_rss"].items()) + " MiB")
                     mem = steps[-1]["memory"]
                     print("   RSS terms measured:  " + ", ".join(
                         f"{k.removesuffix('_bytes')} {mem[k] / 2**20:.0f}" for k in mem
@@ -208,7 +200,7 @@ def main() -> None:
                 print("   phase     " + "".join(f"{t[:-2]:>14}" for t in TERMS) + "   (predicted / measured)")
                 for p in PHASES:
                     print(f"   {p:<9} " + "".join(
-                        f"{pred.phases[p][t]:>6.2f}/{row['measured_phases'][p][t]:<7.2f}" for t in TERMS))
+                        f"{pred['phases'][p][t]:>6.2f}/{row['measured_phases'][p][t]:<7.2f}" for t in TERMS))
     finally:
         if a.swap_dir is None:
             shutil.rmtree(swap_root, ignore_errors=True)

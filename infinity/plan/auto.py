@@ -111,8 +111,14 @@ def run_plan(request: PlanRequest, rates: Rates, device: torch.device | None = N
 
     warm_torch()
     baseline = rss_bytes()   # before the timing's models come and go: a training process's start
-    compute = measure_compute(request.build, request.loss_fn, request.batch, request.seq,
-                              DTYPES[request.param_dtype], request.vocab_size)
+    # each of `world` ranks on this machine computes on its share of the cores, all at once
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // max(request.world, 1)))
+    try:
+        compute = measure_compute(request.build, request.loss_fn, request.batch, request.seq,
+                                  DTYPES[request.param_dtype], request.vocab_size)
+    finally:
+        torch.set_num_threads(threads)
     return make_plan(request, rates, compute, device=device, baseline_bytes=baseline)
 
 

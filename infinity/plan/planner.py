@@ -81,6 +81,7 @@ class PlanRequest:
     nvme_path: str | None = "infinity_swap"
     param_dtype: str = "bf16"
     base: dict = field(default_factory=dict)
+    fixed: dict = field(default_factory=dict)   # knob -> the one value to plan with ("zero.stage": 3)
 
     @property
     def tokens(self) -> int:
@@ -144,7 +145,7 @@ class Plan:
             "model": self.request.model_name, "tokens_per_rank": self.request.tokens,
             "micro_batch": [self.request.batch, self.request.seq], "world": self.request.world,
             "budgets": {"host_bytes": self.budgets[Tier.HOST], "device_bytes": self.budgets[Tier.DEVICE]},
-            "config": self.config_dict(), "knobs": self.chosen.knobs,
+            "config": self.config_dict(), "chosen": self.chosen.label(), "knobs": self.chosen.knobs,
             "predicted": self.chosen.prediction.to_dict(),
             "alternatives": [{"label": c.label(), "knobs": c.knobs, "step_s": c.step_s, "why_lost": self.why_lost(c)}
                              for c in self.alternatives],
@@ -199,11 +200,15 @@ def _candidate_dict(request: PlanRequest, knobs: dict, io: dict) -> dict:
 
 def _enumerate(request: PlanRequest, io: dict):
     """Every distinct valid knob combination, as (knobs, Config); the rest dropped with the config's reason."""
-    for values in itertools.product(*DIMENSIONS.values()):
+    unknown = sorted(set(request.fixed) - set(DIMENSIONS))
+    if unknown:
+        raise PlanInputError(f"--fix {unknown[0]}: not a knob the planner chooses; knobs: {', '.join(DIMENSIONS)}")
+    dims = {k: (request.fixed[k],) if k in request.fixed else v for k, v in DIMENSIONS.items()}
+    for values in itertools.product(*dims.values()):
         knobs = _knob_dict(values)
-        if not _stores(knobs) and knobs["offload.chunk_bytes"] != DIMENSIONS["offload.chunk_bytes"][-1]:
+        if not _stores(knobs) and knobs["offload.chunk_bytes"] != dims["offload.chunk_bytes"][-1]:
             continue
-        if not _stored_params(knobs) and knobs["prefetch.bytes"] != DIMENSIONS["prefetch.bytes"][-1]:
+        if not _stored_params(knobs) and knobs["prefetch.bytes"] != dims["prefetch.bytes"][-1]:
             continue
         if request.param_dtype == "fp32" and knobs["precision.reduce_dtype"] != "fp32":
             continue

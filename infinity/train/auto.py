@@ -20,7 +20,7 @@ __all__ = ["request_for_model", "plan_model", "plan_train_config"]
 
 def request_for_model(model: str, tokens: int | None = None, world: int = 1, host_bytes: int | None = None,
                       device_bytes: int | None = None, swap_dir: str | None = None, param_dtype: str = "bf16",
-                      base: dict | None = None, seq_len: int | None = None) -> PlanRequest:
+                      base: dict | None = None, seq_len: int | None = None, fixed: dict | None = None) -> PlanRequest:
     """A request for ``--model`` at ``tokens`` per rank per step (default: the train job's default
     global batch over ``world`` ranks, at its default sequence length)."""
     spec = parse_model_spec(model)
@@ -39,7 +39,7 @@ def request_for_model(model: str, tokens: int | None = None, world: int = 1, hos
     return PlanRequest(build=lambda: build_model(spec, seq)[0], loss_fn=loss_fn, model_name=spec.text,
                        vocab_size=min(vocab, 256), batch=max(1, tokens // seq), seq=seq, world=world,
                        host_bytes=host_bytes, device_bytes=device_bytes, nvme_path=swap_dir or DEFAULT_SWAP_DIR,
-                       param_dtype=param_dtype, base=base or {})
+                       param_dtype=param_dtype, base=base or {}, fixed=fixed or {})
 
 
 def plan_model(request: PlanRequest, profile: str | None = None, say=None) -> Plan:
