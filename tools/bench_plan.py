@@ -135,6 +135,34 @@ def _plan(w: dict, profile: str, swap_dir: str, cfg_path: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
+    """The planned config of the first workload and each --sweep config, measured back to back."""
+    import yaml
+
+    from infinity.zero.stats import PHASES
+
+    rows = []
+    for path in [first["config"]] + a.sweep.split(","):
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+        swap = os.path.join(swap_root, "sweep")
+        os.makedirs(swap, exist_ok=True)
+        cfg.setdefault("tiers", {}).update(host_bytes=w["host"], device_bytes=w["device"], nvme_path=swap)
+        cfg.setdefault("optimizer", {})["threads"] = "auto"
+        out = os.path.join(swap_root, "sweep-" + os.path.basename(path))
+        with open(out, "w") as f:
+            yaml.safe_dump(cfg, f)
+        steps = _measure(out, w["model"], w["world"], a.steps)
+        later = steps[1:] or steps
+        step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
+        rows.append({"config": path, "step_s": step, "load": [round(s["load"], 2) for s in steps]})
+        if not a.json:
+            print(f"   sweep {os.path.basename(path):28s} {step:7.2f} s  (load {rows[-1]['load']})")
+    for r in rows:
+        r["vs_planned"] = r["step_s"] / rows[0]["step_s"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="infinity profile JSON")
@@ -142,6 +170,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--swap-dir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sweep", default=None, metavar="CONFIGS",
+                    help="comma-separated config files measured back to back after the first workload's planned "
+                         "config, each with that workload's budgets and swap directory (choice quality)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -150,8 +181,6 @@ def main() -> None:
     if a.child:
         _child(a)
         return
-    import yaml
-
     from infinity.zero.stats import PHASES, TERMS
 
     swap_root = a.swap_dir or tempfile.mkdtemp(prefix="bench-plan-", dir=os.getcwd())
@@ -204,6 +233,8 @@ def main() -> None:
     finally:
         if a.swap_dir is None:
             shutil.rmtree(swap_root, ignore_errors=True)
+    if a.sweep:
+        results[0]["sweep"] = _sweep(a, results[0], WORKLOADS[results[0]["workload"]], swap_root)
     worst_step = max(results, key=lambda r: abs(r["step_error"]))
     rss_rows = [r for r in results if r["rss_error"] is not None]
     worst_rss = max(rss_rows, key=lambda r: abs(r["rss_error"])) if rss_rows else None
