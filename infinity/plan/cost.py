@@ -249,7 +249,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     activations = layout.activation_bytes[checkpointing]
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel)
-    rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host)
+    rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
+                        layout.largest_param_numel)
     moved = dict(traffic["moved"])
     if prefetching is False and read["forward"]:
         notes.append("prefetch off: every parameter read is exposed")
@@ -259,11 +260,24 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
 
 def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_size, r_size, budgets,
-                  device_is_host: bool) -> RssBound:
-    """The bound with the store's tiers at the occupancy the engine reaches rather than their budgets:
-    host = homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
-    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them), within the budget; the device tier
-    (RAM on a CPU device) holds stage-3 parameter copies only, so it is empty otherwise."""
+                  device_is_host: bool, largest_param_numel: int) -> RssBound:
+    """The bound's terms at the occupancy the engine reaches rather than their worst case: gradient buffers
+    with one reduction in flight (the largest parameter's ``.grad`` beside the largest unit's full gradient
+    and shard at stages 2-3, its shard at stage 1), and the slack recomputed on that; with a store, host =
+    homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
+    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them), within the budget, and the device tier
+    (RAM on a CPU device) empty unless it holds stage-3 parameter copies."""
+    from infinity.estimate.peak_rss import SLACK_FIXED_BYTES, SLACK_FRACTION
+
+    grads = 0
+    if device_is_host:
+        largest_full = max(u.padded_numel for u in units) * r_size
+        largest_shard = max(u.shard_numel for u in units) * r_size
+        grads = largest_param_numel * p_size + (largest_full + largest_shard if stage >= 2 else
+                                                largest_shard if stage == 1 else 0)
+        grads = min(grads, bound.grad_buffers_bytes)
+    slack = SLACK_FIXED_BYTES + int(SLACK_FRACTION * (bound.gathered_params_bytes + grads + bound.activation_bytes))
+    bound = replace(bound, grad_buffers_bytes=grads, slack_bytes=slack)
     if not placement.any_offload:
         return bound
     homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
