@@ -152,14 +152,21 @@ def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
         out = os.path.join(swap_root, "sweep-" + os.path.basename(path))
         with open(out, "w") as f:
             yaml.safe_dump(cfg, f)
-        steps = _measure(out, w["model"], w["world"], a.steps)
+        try:
+            steps = _measure(out, w["model"], w["world"], a.steps)
+        except RuntimeError as e:   # a hand-written config that does not fit the budgets is refused
+            why = next((ln for ln in reversed(str(e).splitlines()) if "Error" in ln), str(e)[-300:])
+            rows.append({"config": path, "step_s": None, "refused": why})
+            if not a.json:
+                print(f"   sweep {os.path.basename(path):28s} refused: {why}")
+            continue
         later = steps[1:] or steps
         step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
         rows.append({"config": path, "step_s": step, "load": [round(s["load"], 2) for s in steps]})
         if not a.json:
             print(f"   sweep {os.path.basename(path):28s} {step:7.2f} s  (load {rows[-1]['load']})")
     for r in rows:
-        r["vs_planned"] = r["step_s"] / rows[0]["step_s"]
+        r["vs_planned"] = r["step_s"] / rows[0]["step_s"] if r["step_s"] else None
     return rows
 
 

@@ -187,3 +187,11 @@ def test_cli_json_plan_loads_as_a_config(tmp_path):
     assert plan["predicted"]["step_s"] > 0 and len(plan["alternatives"]) >= 1
     assert set(plan["predicted"]["phases"]) == {"forward", "backward", "step"}
     assert Config.from_file(out).to_dict() == Config.from_dict(plan["config"]).to_dict()
+
+
+def test_a_fixed_knob_is_planned_around_and_an_unknown_one_is_named(tmp_path):
+    plan = make_plan(_request(tmp_path, device_bytes=2**30, fixed={"zero.stage": 3, "offload.optimizer": "host"}),
+                     rates(), compute(2))
+    assert plan.chosen.config.zero.stage == 3 and plan.chosen.config.offload.optimizer == "host"
+    with pytest.raises(PlanInputError, match="--fix zero.stages: not a knob"):
+        make_plan(_request(tmp_path, fixed={"zero.stages": 3}), rates(), compute(2))
