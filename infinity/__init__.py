@@ -12,9 +12,40 @@ __version__ = "0.1.0"
 
 
 def initialize(model, config=None, params=None, **kwargs):
-    """See :func:`infinity.initialization.initialize`."""
+    """See :func:`infinity.initialization.initialize`. A config with ``offload: auto`` (or ``"auto"``) is
+    first resolved by the planner (:mod:`infinity.plan.auto`): the chosen config is logged on stderr
+    and is the engine's config (so checkpoints save it)."""
     from infinity.initialization import initialize as _initialize
+    from infinity.plan.auto import wants_auto
+    if wants_auto(config):
+        config = _plan_config(model, config)
     return _initialize(model, config, params, **kwargs)
+
+
+def _plan_config(model, config):
+    """The planner's config for ``model`` (rank 0 plans and logs; every rank gets rank 0's choice, so all
+    build the same engine)."""
+    import os
+
+    import torch.distributed as dist
+
+    from infinity.plan.auto import log_plan, plan_for_module
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    chosen = None
+    if rank == 0:
+        chosen, plan = plan_for_module(model, config, world)
+        log_plan(plan)
+    if world > 1 and dist.is_available() and dist.is_initialized():
+        box = [chosen]
+        dist.broadcast_object_list(box, src=0)
+        chosen = box[0]
+    elif world > 1:
+        raise ConfigError("offload: auto under a launcher needs torch.distributed initialized before "
+                          "initialize (every rank must build the config rank 0 plans); or run `infinity plan` "
+                          "and pass the config it prints")
+    return chosen
 
 
 def engine_of(model):

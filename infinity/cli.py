@@ -220,7 +220,7 @@ def _add_profile(sub) -> None:
         "profile", help="measure this machine: memcpy, host<->device, NVMe sweep, CPU Adam, collectives",
         description="Bandwidth profile of this machine (see infinity/profile.py). Writes profile.json, whose "
                     "'io' section is the best NVMe sweep row as a config io section, and profile_nvme.png.")
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer sweep points (under a minute)")
+    p.add_argument("--quick", action="store_true", help="fewer sweep points and repeats, at sizes where set-up cost vanishes (about a minute)")
     p.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     p.add_argument("--out", default="infinity-profile", metavar="DIR",
                    help="where profile.json and profile_nvme.png go (default ./infinity-profile, made if missing)")
@@ -231,7 +231,8 @@ def _add_profile(sub) -> None:
                    help="local gloo ranks for the collectives (default 2; 1 skips them)")
     p.add_argument("--bytes", default=None, metavar="SIZE",
                    help="memcpy buffer and Adam state size; each NVMe point moves a quarter of it "
-                        "(default 64MiB with --quick, 1GiB otherwise; at least 16MiB)")
+                        "(default 512MiB with --quick, 1GiB otherwise; at least 16MiB; below 512MiB "
+                        "the figures are marked as lower bounds)")
     p.set_defaults(run=_run_profile)
 
 
@@ -294,8 +295,79 @@ def _print_profile(profile: dict, paths: dict) -> None:
         print(f"  block {r['block_bytes'] // 2**20:3d} MiB  threads {r['threads']}  depth {r['queue_depth']}  "
               f"write {r['write_gbps']:6.3f} ({r['raw_write_gbps']:6.3f})  "
               f"read {r['read_gbps']:6.3f} ({r['raw_read_gbps']:6.3f})")
+    mixed = nv.get("mixed")
+    if mixed:
+        print(f"  at once (best row): write {mixed['write_gbps']:6.3f}  read {mixed['read_gbps']:6.3f}")
     print(f"best io      {json.dumps(profile['io'])}")
+    if profile.get("settings", {}).get("lower_bound"):
+        print(f"LOWER BOUND  {profile['settings']['note']}")
     print(f"wrote        {paths['json']}, {paths['plot']}")
+
+
+# ---------------------------------------------------------------- plan
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="pick every knob from a measured profile: the fastest config that fits, predicted and explained",
+        description="Enumerate configs (stage, each tensor class's home, chunk size, overlap, activation "
+                    "checkpointing, prefetch, reduce dtype), predict each from the machine's profile and the "
+                    "model's measured compute, and print the fastest that fits the memory granted as loadable "
+                    "YAML, with its predicted phases, peak RSS terms, bytes per tier pair and the next best "
+                    "(see infinity/plan/). A request nothing fits is refused, naming the least that would run.")
+    p.add_argument("--model", required=True, metavar="NAME|hf:DIR", help="as infinity train --model")
+    p.add_argument("--devices", type=int, default=1, metavar="N", help="data-parallel ranks on this machine (default 1)")
+    p.add_argument("--host-bytes", default=None, metavar="SIZE", help="host memory granted per rank (default: auto)")
+    p.add_argument("--device-bytes", default=None, metavar="SIZE",
+                   help="device memory granted per rank (default: auto; on CPU the device is RAM too)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="an infinity profile JSON (or its directory); default: measure a quick one now")
+    p.add_argument("--tokens", type=int, default=None, metavar="T",
+                   help="tokens per rank per step (default: infinity train's default batch over --devices)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="L", help="sequence length (default as infinity train)")
+    p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype (default bf16)")
+    p.add_argument("--swap-dir", default=None, metavar="DIR", help="nvme_path of the chosen config (default ./infinity_swap)")
+    p.add_argument("--fix", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="plan with this knob fixed (repeatable), e.g. --fix zero.stage=3 --fix offload.optimizer=none")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the chosen config there (YAML)")
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args) -> int:
+    import yaml
+
+    from infinity.config import parse_size
+    from infinity.plan import InfeasiblePlan, PlanInputError, describe
+    from infinity.train import TrainError
+    from infinity.train.auto import plan_model, request_for_model
+
+    for flag, value in (("--devices", args.devices), ("--tokens", args.tokens), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise UsageError(f"infinity plan: {flag} must be >= 1, got {value}")
+    fixed = {}
+    for item in args.fix:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise UsageError(f"infinity plan: --fix {item!r}: expected SECTION.KEY=VALUE, e.g. zero.stage=3")
+        key = key.strip()
+        fixed[key] = parse_size(text, f"--fix {key}") if key.endswith("bytes") else yaml.safe_load(text)
+    try:
+        request = request_for_model(
+            args.model, tokens=args.tokens, world=args.devices,
+            host_bytes=None if args.host_bytes in (None, "auto") else parse_size(args.host_bytes, "--host-bytes"),
+            device_bytes=None if args.device_bytes in (None, "auto") else parse_size(args.device_bytes, "--device-bytes"),
+            swap_dir=args.swap_dir, param_dtype=args.param_dtype, seq_len=args.seq_len, fixed=fixed)
+        plan = plan_model(request, args.profile, None if args.json else (lambda m: print(m, file=sys.stderr)))
+    except (InfeasiblePlan, PlanInputError, TrainError) as e:
+        raise UsageError(f"infinity plan: {e}") from None
+    if args.out:
+        with open(args.out, "w") as f:
+            yaml.safe_dump(plan.config_dict(), f, sort_keys=False, default_flow_style=None)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=str))
+    else:
+        print("\n".join(describe(plan)))
+    return 0
 
 
 # ---------------------------------------------------------------- consolidate
@@ -356,7 +428,8 @@ def _add_train(sub) -> None:
                     "Ctrl-C or SIGTERM stops after the current step, saves, and removes the swap files (exit code "
                     "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
-    p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config)")
+    p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config); "
+                   "auto (or a file with offload: auto, e.g. configs/auto.yaml): the planner picks it (infinity plan)")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (default 1); under torchrun the launcher's ranks are joined instead")
     p.add_argument("--steps", type=int, default=None, metavar="N",
@@ -544,10 +617,10 @@ def _run_sample(args) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="infinity", description="Train models whose training state is larger than device memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
-    # Each sub-command registers itself here: plan joins when it is built.
     _add_train(sub)
     _add_estimate(sub)
     _add_profile(sub)
+    _add_plan(sub)
     _add_consolidate(sub)
     _add_sample(sub)
     # --debug after the sub-command too; SUPPRESS keeps the main parser's value when it is not repeated

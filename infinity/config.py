@@ -439,6 +439,10 @@ def _build_section(cls, name: str, raw: Any):
         raw = {}
     if dataclasses.is_dataclass(raw) and isinstance(raw, cls):
         return raw
+    if name == "offload" and raw == "auto":
+        raise ConfigError("offload: auto asks the planner to choose the config: pass it to infinity.initialize "
+                          "or `infinity train --config`, which plan it (infinity/plan/auto.py), or run "
+                          "`infinity plan` for a config to load")
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: expected a mapping of keys to values, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -474,7 +478,7 @@ class Config:
         d = {} if d is None else d
         if not isinstance(d, dict):
             raise ConfigError(f"config: expected a mapping of sections, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(_SECTIONS))
+        unknown = sorted(set(d) - set(_SECTIONS) - ({"plan"} if d.get("offload") == "auto" else set()))
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(_SECTIONS)}")
         return cls(**{name: _build_section(sec, name, d.get(name)) for name, sec in _SECTIONS.items()})

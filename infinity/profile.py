@@ -19,8 +19,18 @@ Sections of the profile (GB/s = 1e9 bytes per second throughout):
 - ``collectives``: gloo all-reduce, all-gather and reduce-scatter across ``nproc`` local
   processes: algorithm bandwidth (bytes of the full tensor per second, per rank) and bus
   bandwidth (the same scaled by the ring's traffic factor, as nccl-tests report it).
+- ``nvme.mixed``: the engine at the best row's settings reading one set of tensors while it
+  writes another, both at once (what the optimizer step's pipeline does): each direction's GB/s
+  while sharing the disk. The planner's "read and write at once" rates.
 - ``io``: the best sweep row (highest ``min(read, write)``) as a config ``io`` section;
   ``Config.from_dict({"io": profile["io"]})`` loads it as it is.
+
+Sizes: ``--quick`` runs fewer sweep points and repeats, never smaller ones: below
+:data:`STEADY_BYTES` per figure, set-up cost (thread start, the first pages, a
+disk's request latency) and caches dominate (64 MiB runs put the I/O engine at
+0.4-0.7x the raw disk and CPU Adam at 3x torch's, in L3). A ``--bytes`` below it
+is measured as asked and marked: ``settings.lower_bound`` is true and
+``settings.note`` says the figures are not steady-state rates.
 
 Figures are the best of a few repeats (NVMe points run once: the disk is the slow part).
 The profile asks what the machine can do; on a shared machine the best run is the one
@@ -64,8 +74,10 @@ __all__ = [
     "measure_cpu_adam",
     "measure_collectives",
     "best_io",
+    "measure_nvme_mixed",
     "PROFILE_JSON",
     "PROFILE_PLOT",
+    "STEADY_BYTES",
 ]
 
 PROFILE_JSON = "profile.json"
@@ -80,6 +92,9 @@ _QUICK_THREADS = (1, 2)
 _FULL_BLOCKS = (1 * _MiB, 4 * _MiB, 8 * _MiB, 16 * _MiB)
 _FULL_THREADS = (1, 2, 4, 8)
 _TENSORS_PER_POINT = 4  # requests in flight at once in an engine point, each cut into blocks
+# The smallest base size whose figures are steady-state rates (module doc): an NVMe point of a quarter
+# of it (32 MiB requests), CPU Adam over 32M parameters (512 MiB of state, far past any cache).
+STEADY_BYTES = 512 * _MiB
 
 
 class ProfileError(ValueError):
@@ -92,8 +107,9 @@ class ProfileOptions:
 
     ``size_bytes``: memcpy buffer and Adam state size; each NVMe sweep point moves a
     quarter of it, the largest collective a sixteenth. Bigger = steadier figures, longer
-    run, more host memory (about 2x ``size_bytes`` at peak). Default 64 MiB with ``quick``,
-    1 GiB otherwise. ``directory``: parent of the scratch directory for the NVMe sweep
+    run, more host memory (about 2x ``size_bytes`` at peak). Default :data:`STEADY_BYTES` with
+    ``quick`` (fewer points, never smaller ones: the module doc), 1 GiB otherwise; below
+    :data:`STEADY_BYTES` the figures are marked as lower bounds. ``directory``: parent of the scratch directory for the NVMe sweep
     (None = the current directory; /tmp is often tmpfs, which is not the disk to measure).
     """
 
@@ -116,7 +132,12 @@ class ProfileOptions:
     def base_bytes(self) -> int:
         if self.size_bytes is not None:
             return self.size_bytes
-        return 64 * _MiB if self.quick else 2**30
+        return STEADY_BYTES if self.quick else 2**30
+
+    @property
+    def lower_bound(self) -> bool:
+        """Whether the figures are below steady state (a base size under :data:`STEADY_BYTES`)."""
+        return self.base_bytes < STEADY_BYTES
 
     @property
     def repeats(self) -> int:
@@ -290,6 +311,42 @@ def _engine_point(directory: str, io: IOConfig, point_bytes: int, src: torch.Ten
     return moved / write_s / 1e9, moved / read_s / 1e9
 
 
+def measure_nvme_mixed(directory: str, io: IOConfig, point_bytes: int) -> dict:
+    """The engine reading ``point_bytes`` (written and dropped from the page cache first) while writing as
+    many new bytes, both started at once: each direction's GB/s while they share the disk."""
+    tensors = _TENSORS_PER_POINT
+    tensor_bytes = point_bytes // tensors
+    src = aligned_empty(tensor_bytes).copy_(torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8))
+    dsts = [aligned_empty(tensor_bytes).zero_() for _ in range(tensors)]
+    with IOEngine(io) as engine, ExtentFile(directory, engine, direct=io.direct, checksum=io.checksum,
+                                            initial_bytes=2 * point_bytes) as swap:
+        for f in [swap.write(f"old{i}", src) for i in range(tensors)]:
+            f.result()
+        swap.flush()
+        fd = os.open(swap.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _drop_file_cache(fd)
+        finally:
+            os.close(fd)
+        done: dict = {}
+        t0 = time.perf_counter()
+        reads = [swap.read(f"old{i}", dst) for i, dst in enumerate(dsts)]
+        writes = [swap.write(f"new{i}", src) for i in range(tensors)]
+        for f in reads:
+            f.add_done_callback(lambda _f: done.__setitem__("read", time.perf_counter()))
+        for f in reads + writes:
+            f.result()
+        swap.flush()
+        write_s = max(time.perf_counter() - t0, 1e-9)
+        read_s = max(done["read"] - t0, 1e-9)
+    if not torch.equal(dsts[-1], src):
+        raise AssertionError(f"profile: the I/O engine read back other bytes than it wrote in {directory}")
+    moved = tensor_bytes * tensors
+    return {"block_bytes": io.block_bytes, "queue_depth": io.queue_depth, "threads": io.threads,
+            "bytes_each_way": moved, "read_gbps": moved / read_s / 1e9, "write_gbps": moved / write_s / 1e9,
+            "note": "reads and writes of the same size started together; write time includes fdatasync"}
+
+
 def measure_nvme(directory: str, point_bytes: int, quick: bool, direct: bool,
                  progress: Callable[[str], None] | None = None) -> dict:
     """Engine sweep and raw baseline in ``directory``; files are removed before returning."""
@@ -328,11 +385,15 @@ def measure_nvme(directory: str, point_bytes: int, quick: bool, direct: bool,
                       "read_gbps": read_gbps, "write_gbps": write_gbps,
                       "raw_read_gbps": raw_read, "raw_write_gbps": raw_write,
                       "read_ratio": read_gbps / raw_read, "write_ratio": write_gbps / raw_write})
+    best = best_io(sweep, direct)
+    say(f"nvme engine: reads and writes at once, block {format_size(best['block_bytes'])}")
+    mixed = measure_nvme_mixed(directory, IOConfig(**best), point_bytes)
     return {
         "mode": "direct" if direct else "buffered",
         "bytes_per_point": point_bytes,
         "tensor_bytes": tensor_bytes,
         "sweep": sweep,
+        "mixed": mixed,
         "raw": {
             "mode": "direct" if direct else "buffered",
             "baseline": "plain os.pwritev/os.preadv loop over 4096-aligned buffers, same directory, "
@@ -499,7 +560,13 @@ def run_profile(options: ProfileOptions, progress: Callable[[str], None] | None 
             options.nproc, [base // 256, base // 64, base // 16], 3 if options.quick else 10, scratch)
         profile["io"] = best_io(profile["nvme"]["sweep"], direct)
         profile["settings"] = {"quick": options.quick, "bytes": base, "nproc": options.nproc,
-                               "repeats": options.repeats, "elapsed_s": time.perf_counter() - started}
+                               "repeats": options.repeats, "elapsed_s": time.perf_counter() - started,
+                               "lower_bound": options.lower_bound}
+        if options.lower_bound:
+            profile["settings"]["note"] = (
+                f"--bytes {format_size(base)} is below {format_size(STEADY_BYTES)}: set-up cost and caches "
+                "dominate such small points, so these figures are not steady-state rates (disk rates read "
+                "low, CPU Adam and memcpy may read high from cache); profile without --bytes for a plan")
         return profile
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -11,8 +11,8 @@ import torch
 import infinity
 from infinity.cli import main
 from infinity.io import probe_direct_io
-from infinity.profile import (PROFILE_JSON, PROFILE_PLOT, best_io, measure_collectives, measure_host_device,
-                              measure_nvme)
+from infinity.profile import (PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions, best_io,
+                              measure_collectives, measure_host_device, measure_nvme)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -39,7 +39,7 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     assert m["cpu_count"] >= 1 and m["cores_available"] >= 1 and m["ram_bytes"] > m["ram_available_bytes"] > 0
     assert m["fs_type"] not in ("", "unknown")
     assert m["direct_io"] == ("direct" if probe_direct_io(quick["swap"]) else "buffered") == p["nvme"]["mode"]
-    assert p["memcpy"]["bytes"] == 64 * MiB and p["memcpy"]["gbps"] > 0 and p["memcpy"]["single_thread_gbps"] > 0
+    assert p["memcpy"]["bytes"] == STEADY_BYTES and p["memcpy"]["gbps"] > 0 and p["memcpy"]["single_thread_gbps"] > 0
 
     hd = p["host_device"]
     if torch.cuda.is_available():
@@ -48,7 +48,7 @@ def test_quick_json_has_every_section_with_positive_values(quick):
         assert hd == {"available": False, "reason": "no CUDA device: torch.cuda.is_available() is False"}
 
     nvme = p["nvme"]
-    assert nvme["bytes_per_point"] == 16 * MiB and nvme["tensor_bytes"] == 4 * MiB
+    assert nvme["bytes_per_point"] == STEADY_BYTES // 4 and nvme["tensor_bytes"] == STEADY_BYTES // 16
     # quick grid: blocks 1 and 4 MiB x (threads 1 depth 1, threads 2 depth 1, threads 2 depth 2)
     assert sorted((r["block_bytes"], r["threads"], r["queue_depth"]) for r in nvme["sweep"]) == [
         (b, t, q) for b in (MiB, 4 * MiB) for t, q in ((1, 1), (2, 1), (2, 2))]
@@ -59,9 +59,15 @@ def test_quick_json_has_every_section_with_positive_values(quick):
                    if (r["block_bytes"], r["threads"]) == (row["block_bytes"], row["threads"]))
         assert row["raw_read_gbps"] == raw["read_gbps"] and row["read_ratio"] == row["read_gbps"] / raw["read_gbps"]
     assert len(nvme["raw"]["rows"]) == 4 and nvme["raw"]["mode"] == nvme["mode"]
+    mixed, io = nvme["mixed"], p["io"]
+    assert (mixed["block_bytes"], mixed["threads"], mixed["queue_depth"]) == (
+        io["block_bytes"], io["threads"], io["queue_depth"])
+    assert mixed["read_gbps"] > 0 and mixed["write_gbps"] > 0 and mixed["bytes_each_way"] == STEADY_BYTES // 4
+    # quick mode runs fewer points, not smaller ones: its figures are steady-state rates
+    assert p["settings"]["quick"] and p["settings"]["lower_bound"] is False and "note" not in p["settings"]
 
     adam = p["cpu_adam"]
-    assert adam["numel"] == 64 * MiB // 16 and adam["state_bytes_per_param"] == 16
+    assert adam["numel"] == STEADY_BYTES // 16 and adam["state_bytes_per_param"] == 16
     assert adam["gbps"] > 0 and adam["torch_fused_gbps"] > 0
     assert adam["params_per_s"] == pytest.approx(adam["gbps"] * 1e9 / 16)
     assert adam["ratio"] == pytest.approx(adam["gbps"] / adam["torch_fused_gbps"])
@@ -69,7 +75,8 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     co = p["collectives"]
     assert co["available"] and co["nproc"] == 2 and co["backend"] == "gloo"
     assert sorted((r["op"], r["bytes"]) for r in co["rows"]) == sorted(
-        (op, s) for op in ("all_reduce", "all_gather", "reduce_scatter") for s in (256 * 1024, MiB, 4 * MiB))
+        (op, s) for op in ("all_reduce", "all_gather", "reduce_scatter")
+        for s in (STEADY_BYTES // 256, STEADY_BYTES // 64, STEADY_BYTES // 16))
     for r in co["rows"]:
         assert r["time_s"] > 0 and r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (1.0 if r["op"] == "all_reduce" else 0.5))
@@ -112,6 +119,13 @@ def test_nvme_sweep_buffered_mode(tmp_path):
         (MiB, 1, 1), (MiB, 2, 1), (MiB, 2, 2)]
     assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in nvme["sweep"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sizes_below_steady_state_are_marked_as_lower_bounds():
+    """A small --bytes is measured as asked but flagged: set-up cost and caches dominate such points."""
+    assert ProfileOptions(quick=True).base_bytes == STEADY_BYTES and not ProfileOptions(quick=True).lower_bound
+    assert not ProfileOptions().lower_bound
+    assert ProfileOptions(quick=True, size_bytes=64 * MiB).lower_bound
 
 
 def test_single_rank_has_no_collectives(tmp_path):

@@ -39,6 +39,7 @@ older torch falls back to ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ from infinity.comm.watchdog import watch
 __all__ = ["Collectives", "LocalCollectives", "CommCounters", "make_collectives"]
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+_THREAD_WAITS = threading.local()   # per thread, across every CommCounters (see CommCounters.thread_wait_s)
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,6 +77,17 @@ class CommCounters:
     device_waits: list | None = None
     # CUDA-only by default; tests give a fake with record() / synchronize() / elapsed_time(end) in ms
     make_timing_event: object = None
+
+    def add_wait(self, seconds: float) -> None:
+        """Book ``seconds`` the calling thread spent blocked on a collective."""
+        self.wait_s += seconds
+        _THREAD_WAITS.s = getattr(_THREAD_WAITS, "s", 0.0) + seconds
+
+    @staticmethod
+    def thread_wait_s() -> float:
+        """Seconds the calling thread has spent blocked on collectives (any counters), never reset: a
+        caller takes differences to attribute waits to what its own thread was doing."""
+        return getattr(_THREAD_WAITS, "s", 0.0)
 
     def timing_event(self):
         make = self.make_timing_event or (lambda: torch.cuda.Event(enable_timing=True, blocking=True))
@@ -139,7 +153,7 @@ class Pending:
             t0 = time.perf_counter()
             with watch(self._what):
                 self._work.wait()
-            counters.wait_s += time.perf_counter() - t0
+            counters.add_wait(time.perf_counter() - t0)
             if timed:   # the current stream now waits for the collective: the stall lies between the two
                 counters.device_waits.append((before, counters.timing_event()))
             self._work = None

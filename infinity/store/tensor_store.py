@@ -108,6 +108,7 @@ class TensorStore(TransferRunner):
         self._wait_s = 0.0
         self._scratch_bytes = 0        # host scratch buffers handed out (host_scratch), in the host account
         self._scratch_peak_bytes = 0
+        self._thread_waits = threading.local()   # per thread: the engine charges its own thread's waits
 
     # ------------------------------------------------------------------ public operations
 
@@ -294,7 +295,7 @@ class TensorStore(TransferRunner):
                 waited_from = waited_from or time.perf_counter()
                 self._cond.wait()
             if waited_from is not None:
-                self._wait_s += time.perf_counter() - waited_from
+                self._add_wait(time.perf_counter() - waited_from)
             for t in Tier:
                 if rec.copies[t].pins:
                     raise self._refuse(rec, t, "release", "it is pinned (in use); unpin it first")
@@ -406,6 +407,16 @@ class TensorStore(TransferRunner):
         done once ``dst`` holds the bytes; ``src`` and ``dst`` must stay untouched until then."""
         return self._copier.to_host(dst, src.detach())
 
+    def _add_wait(self, seconds: float) -> None:
+        """Book ``seconds`` blocked on this thread (called under ``_cond``)."""
+        self._wait_s += seconds
+        self._thread_waits.s = getattr(self._thread_waits, "s", 0.0) + seconds
+
+    def thread_wait_s(self) -> float:
+        """Seconds the calling thread has spent blocked in the store since it was built (all threads'
+        sum is ``stats()["wait_s"]``): lets a caller attribute waits to what its own thread was doing."""
+        return getattr(self._thread_waits, "s", 0.0)
+
     def wait(self, fut: cf.Future):
         """``fut.result()``, with the time spent blocked counted in ``stats()["wait_s"]``."""
         if fut.done():
@@ -415,7 +426,7 @@ class TensorStore(TransferRunner):
             return fut.result()
         finally:
             with self._cond:
-                self._wait_s += time.perf_counter() - t0
+                self._add_wait(time.perf_counter() - t0)
 
     def mark_dirty(self, key: str, tier: Tier | str) -> None:
         """Record that the caller changed the ``tier`` copy: it becomes the only current copy.
@@ -607,7 +618,7 @@ class TensorStore(TransferRunner):
                 self._begin(rec, result)
             finally:
                 if waited_from is not None:
-                    self._wait_s += time.perf_counter() - waited_from
+                    self._add_wait(time.perf_counter() - waited_from)
         self._start(rec, result)
         return result.future
 

@@ -10,8 +10,9 @@ import time
 from infinity.config import format_size
 from infinity.io.new_files import replaced
 from infinity.train.resolve import TrainRun
+from infinity.zero.stats import TERMS
 
-__all__ = ["Reporter", "engine_metrics", "memory_line"]
+__all__ = ["Reporter", "engine_metrics", "memory_line", "attribution_lines"]
 
 
 def _drop_steps_from(path: str, first_step: int) -> None:
@@ -125,10 +126,16 @@ def engine_metrics(engine, step_s: float) -> dict:
     ``stall_pct``: share of the step the compute thread waited on collectives
     and on the store (``comm_wait_s`` + ``io_wait_s``). ``memory``: the step's
     peak RSS and where it went, once ``engine.memory`` is enabled (keys:
-    :mod:`infinity.zero.memory_report`).
+    :mod:`infinity.zero.memory_report`). ``attribution``: every second of the engine's
+    phases split into compute / I/O waited on / Adam / communication / unattributed, per phase
+    (:mod:`infinity.zero.stats`); ``outside_phases_s``: the rest of the loop's step (data, the
+    loss outside the model, clipping, the LR scheduler, the loss's all-reduce).
     """
     last = engine.stats.last_step
     out = {}
+    if "attribution" in last:
+        out["attribution"] = last["attribution"]
+        out["outside_phases_s"] = max(0.0, step_s - last["attribution"]["total"]["wall_s"])
     for key in ("forward_s", "backward_s", "comm_wait_s"):
         if key in last:
             out[key] = last[key]
@@ -160,6 +167,15 @@ def engine_metrics(engine, step_s: float) -> dict:
     if memory is not None:
         out["memory"] = memory
     return out
+
+
+def attribution_lines(attribution: dict) -> list:
+    """A table of a step's attributed time (``last_step["attribution"]``): one row per phase and the total,
+    one column per term (:data:`infinity.zero.stats.TERMS`), in seconds."""
+    head = "  phase     " + "".join(f"{t[:-2]:>14}" for t in ("wall_s",) + TERMS)
+    rows = [f"  {phase:<9} " + "".join(f"{attribution[phase][t]:>14.4f}" for t in ("wall_s",) + TERMS)
+            for phase in ("forward", "backward", "step", "total")]
+    return [head] + rows
 
 
 def memory_line(mem: dict) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 
 from infinity.config import Config, ConfigError, parse_size
 from infinity.io.new_files import create_new, make_private_dir
+from infinity.plan.auto import wants_auto
 from infinity.train.errors import TrainError
 from infinity.train.job_state import (check_fresh_save_dir, check_no_later_checkpoints, check_save_room,
                                       checkpoint_bytes, new_run_dir, read_job, resume_path, save_dir_of)
@@ -170,7 +172,8 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
         seq_len = check_int("--seq-len", seq_len, 1)
         num_params = sum(p.numel() for p in build_model(spec, seq_len)[0].parameters())
 
-    config, corpus_bytes = _config(o, job, steps, accum)
+    planned = _auto_config(o, spec, world_size, batch_size // accum, seq_len) if wants_auto(o.config) else None
+    config, corpus_bytes = _config(o, job, steps, accum, planned)
     data = pick(o.data, "data", None)
     if corpus_bytes is not None and corpus_bytes < seq_len + 1:
         raise TrainError(f"--corpus-bytes {corpus_bytes} is too small for --seq-len {seq_len} "
@@ -207,12 +210,39 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
                 sample_tokens=sample_tokens, lr_override=o.lr is not None and resume is not None)
 
 
-def _config(o: TrainOptions, job: dict, steps: int, accum: int) -> tuple:
-    """The config with the flags applied (and a resumed run's schedule); and --corpus-bytes. The
-    schedule's ``accum_steps`` is ``--accum`` (the overlapped update reads it)."""
+def _auto_config(o: TrainOptions, spec, world_size: int, micro_batch: int, seq_len: int) -> dict:
+    """``--config auto`` (or a file with ``offload: auto``): the planner's config for this job's model and
+    micro-batch, logged on stderr (what was chosen, its predicted step, the next best and why they lost)."""
+    from infinity.plan import InfeasiblePlan, PlanInputError
+    from infinity.plan.auto import log_plan
+    from infinity.train.auto import plan_train_config
+
+    source = o.config
+    if o.config == "auto":   # the default job (its dtype, schedule, optimizer), with the engine's knobs planned
+        defaults = default_config(o.swap_dir or DEFAULT_SWAP_DIR).to_dict()
+        source = {**{k: v for k, v in defaults.items() if k not in ("offload", "tiers")}, "offload": "auto"}
     try:
-        config = Config.load(o.config) if o.config is not None else default_config(
-            o.swap_dir or DEFAULT_SWAP_DIR, 3 if o.stage is None else o.stage)
+        sizes = {flag: None if value is None else parse_size(value, flag)
+                 for flag, value in (("--host-bytes", o.host_bytes), ("--device-bytes", o.device_bytes))}
+        chosen, plan = plan_train_config(source, spec.text, world_size, micro_batch * world_size, seq_len,
+                                         o.swap_dir or DEFAULT_SWAP_DIR, sizes["--host-bytes"],
+                                         sizes["--device-bytes"], say=lambda m: print(m, file=sys.stderr))
+    except (ConfigError, InfeasiblePlan, PlanInputError) as e:
+        raise TrainError(f"--config {o.config}: {e}") from None
+    log_plan(plan)
+    return chosen
+
+
+def _config(o: TrainOptions, job: dict, steps: int, accum: int, planned: dict | None = None) -> tuple:
+    """The config with the flags applied (and a resumed run's schedule); and --corpus-bytes. The
+    schedule's ``accum_steps`` is ``--accum`` (the overlapped update reads it). ``planned``: the
+    planner's config for ``--config auto``."""
+    try:
+        if planned is not None:
+            config = Config.from_dict(planned)
+        else:
+            config = Config.load(o.config) if o.config is not None else default_config(
+                o.swap_dir or DEFAULT_SWAP_DIR, 3 if o.stage is None else o.stage)
         changes = {}
         if o.stage is not None:
             changes["zero"] = {"stage": o.stage}

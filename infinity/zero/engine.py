@@ -51,6 +51,7 @@ while its unit is gathered (``with engine.gathered(): ...``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -87,6 +88,16 @@ from infinity.zero.update import ShardUpdate
 __all__ = ["ZeroEngine", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _engine_time(verb):
+    """Run an engine verb inside :meth:`EngineStats.engine_time`: its time is the engine's, not the model's
+    compute, and its thread's waits are attributed to the phase it runs in (:mod:`infinity.zero.stats`)."""
+    @functools.wraps(verb)
+    def timed(self, *args, **kwargs):
+        with self.stats.engine_time():
+            return verb(self, *args, **kwargs)
+    return timed
 
 
 class ZeroEngine:
@@ -168,6 +179,7 @@ class ZeroEngine:
                 self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank,
                                          budgets=budgets)   # "auto" measured once, checked above
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
+                self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
             self.update = ShardUpdate(self.units, self.store, self.coll, self.policy, self.shard_rank, self.rank,
                                       self.hyper, self.tracer, config.optimizer, config.update_overlap(),
                                       config.schedule.accum_steps)
@@ -277,6 +289,7 @@ class ZeroEngine:
 
     # ------------------------------------------------------------ the hooks' verbs (infinity.zero.hooks)
 
+    @_engine_time
     def root_pre_forward(self, training: bool) -> None:
         """The model's forward starts: stage 3 gathers the root unit, in use until the end of backward."""
         self.notice_aborted_backward()
@@ -287,6 +300,7 @@ class ZeroEngine:
         if self.policy.shard_params and self._root is not None:
             self.gathers.use_unit(self._root, training)
 
+    @_engine_time
     def root_post_forward(self, out, training: bool):
         """The model's forward is done; returns its output (fp16: routed through the loss scale)."""
         self.memory.forward_ends()
@@ -299,6 +313,7 @@ class ZeroEngine:
         self.stats.stop("forward")
         return out
 
+    @_engine_time
     def unit_pre_forward(self, unit, training: bool) -> None:
         """A unit's forward starts: its launched update is waited for (next_forward), stage 3 gathers it."""
         self.update.wait_unit(unit)
@@ -311,22 +326,26 @@ class ZeroEngine:
         stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
         self.update.settle()
 
+    @_engine_time
     def unit_post_forward(self, unit, training: bool) -> None:
         if training:
             self.gathers.after_forward(unit)
         else:
             self.gathers.release(unit)
 
+    @_engine_time
     def unit_pre_backward(self, unit) -> None:
         """The unit's backward is about to run: in use until its gradients are reduced (then released)."""
         self.enter_backward()
         self.gathers.use_unit(unit, training=True)
 
+    @_engine_time
     def unit_pre_recompute(self, unit) -> None:
         """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
         if self.policy.shard_params:
             self.gathers.acquire(unit)
 
+    @_engine_time
     def enter_backward(self) -> None:
         if self.phase is StepPhase.BACKWARD:
             return
@@ -342,6 +361,7 @@ class ZeroEngine:
         # runs once the whole backward pass is done: flush reductions, release stage-3 units
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    @_engine_time
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None:
         """Post-accumulate-grad hook: the parameter's gradient goes into its unit's flat gradient; once the
         unit's reduction is launched, stage 3 releases it."""
@@ -357,6 +377,7 @@ class ZeroEngine:
         for unit in self.grads.take_folded(readable=self.update.overlap is not None):
             self.update.unit_final(unit, self.grads.multiplier)
 
+    @_engine_time
     def _end_backward(self) -> None:
         with self.update.flushing():   # units final in the flush are updated after it (overlap)
             self.grads.flush()
@@ -385,6 +406,7 @@ class ZeroEngine:
             return torch.tensor(float("inf"))
         return self.grads.clip(max_norm)
 
+    @_engine_time
     def step(self) -> bool:
         """One optimizer step over every shard; False if skipped (fp16 overflow). Atomic from the
         caller's view: if it raises, step counts and loss scale are unchanged and calling it again
@@ -401,6 +423,7 @@ class ZeroEngine:
         try:
             self.grads.wait_writes()   # folded gradients still being written are read by the update
             self.update.run(self.grads.multiplier)
+            self.stats.pipeline_stats(self.update.last_stats)   # its Adam and I/O waits, for attribution
         except BaseException as e:
             self._go(StepPhase.REDUCED)
             self.stats.stop("step")

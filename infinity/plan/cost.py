@@ -1,0 +1,300 @@
+"""The cost model: one candidate config's predicted step, by phase and term, peak RSS by term, bytes per tier pair.
+
+The terms are the ones a measured step is attributed to (:mod:`infinity.zero.stats`):
+``compute_s``, ``io_wait_s``, ``adam_s``, ``comm_s`` and ``unattributed_s`` per phase (forward,
+backward, step), so a prediction and a run compare term by term. Each comes from a measured rate
+(:mod:`infinity.plan.rates`) times a byte or element count the engine's own accounting gives:
+
+- compute: the model's measured forward / backward at the step's tokens (activation checkpointing
+  adds one block forward per block to backward).
+- bytes: :meth:`Placement.stored_itemsizes` per stored class (so a new state format changes the
+  counts here through placement, not a table of its own), chunks from :meth:`Placement.chunk_numel`,
+  and the chunks kept in host memory for good from :meth:`Placement.host_resident_plan`, exactly as
+  ``initialize`` lays them out. A chunk on NVMe and not resident is read and written each time the
+  step walks it (an LRU cache smaller than the walk hits nothing: :mod:`infinity.zero.placement`);
+  backward re-reads the parameter shards the device tier could not keep since forward. Exact for
+  parameters and optimizer states (tested against the store's counters); NVMe-homed gradients whose
+  dirty host copies are still there when the step reads them make the real reads smaller.
+- exposed I/O: a phase's disk time (reads alone at the read rate, writes alone at the write rate,
+  both at once at the at-once rates, whichever is slower) less the compute it overlaps when prefetch
+  runs ahead, never less than the first unit's read (nothing runs before it to hide it behind).
+- the optimizer step: a pipeline of swap-in, CPU Adam, write-back: the slower of the disk and Adam,
+  plus the first chunk's read and the last one's write. With ``optimizer.overlap_backward`` it runs
+  during backward; on a CPU compute device Adam and backward share the cores, so only the disk hides.
+- communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
+  its per-unit size, exposed in full (gloo runs on the cores the compute uses).
+- unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
+  copies between tiers) at the memcpy rate.
+
+Peak RSS is :func:`infinity.estimate.peak_rss.predict_peak_rss`'s terms (the bound ``infinity estimate``
+prints, kept as ``rss_bound``) with the store's tiers at the occupancy the engine reaches instead of
+their budgets (:func:`_expected_rss`), and the activations measured with the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from infinity.config import Config
+from infinity.estimate.peak_rss import RssBound, predict_peak_rss
+from infinity.store import Tier
+from infinity.zero.engine import DTYPES
+from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, chunk_bounds
+from infinity.zero.stage import StagePolicy
+from infinity.zero.stats import PHASES, TERMS
+from infinity.zero.units import TensorClass
+
+__all__ = ["Layout", "Prediction", "predict", "tier_traffic"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the model looks like to the engine at one (stage, world size): the units as ``initialize``
+    cuts them (on the meta device), the activations one micro-batch saves (with and without
+    activation checkpointing), and the largest single parameter."""
+
+    units: list
+    activation_bytes: dict            # {checkpointing: bytes}
+    largest_param_numel: int
+    baseline_bytes: int
+
+
+@dataclass
+class Prediction:
+    """One candidate's predicted step. ``phases[phase][term]`` in seconds (terms:
+    :data:`infinity.zero.stats.TERMS`); ``rss``: the peak RSS bound by term; ``moved_bytes``: per tier pair
+    per step; ``notes``: what the model assumed."""
+
+    phases: dict
+    rss: RssBound
+    moved_bytes: dict
+    notes: list = field(default_factory=list)
+    rss_bound: RssBound | None = None     # the upper bound infinity estimate prints (tiers at their budgets)
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.phases[p][t] for p in PHASES for t in TERMS)
+
+    def totals(self) -> dict:
+        return {t: sum(self.phases[p][t] for p in PHASES) for t in TERMS}
+
+    def to_dict(self) -> dict:
+        return {"step_s": self.step_s, "phases": self.phases, "totals": self.totals(),
+                "peak_rss": self.rss.to_dict(), "peak_rss_bound": self.rss_bound.to_dict() if self.rss_bound else None,
+                "moved_bytes": self.moved_bytes, "notes": self.notes}
+
+
+def _disk_s(read_bytes: float, write_bytes: float, rates) -> float:
+    """Seconds of disk for a phase: each direction alone at its rate; both at once at the at-once rates."""
+    if read_bytes and write_bytes:
+        return max(read_bytes / (rates.mixed_read_gbps * 1e9), write_bytes / (rates.mixed_write_gbps * 1e9))
+    return read_bytes / (rates.read_gbps * 1e9) + write_bytes / (rates.write_gbps * 1e9)
+
+
+def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
+    """Bytes per step by class and direction, per rank: ``{"read": {phase: bytes}, "write": {phase: bytes},
+    "moved": {"nvme->host": .., ...}, "first_read": bytes, "chunk": (read, write) bytes of one
+    optimizer chunk}``, from the placement's own accounting and host-resident plan."""
+    stage = config.zero.stage
+    p_size = DTYPES[config.precision.param_dtype].itemsize
+    r_size = DTYPES[config.precision.reduce_dtype].itemsize
+    placement = Placement.from_config(config)
+    units = layout.units
+    sizes = placement.stored_itemsizes(stage, p_size, r_size)
+    chunk = placement.chunk_numel(stage, p_size, r_size)
+    plan = {}
+    if placement.any_offload:
+        room = placement.resident_room(units, stage, p_size, r_size, host_bytes)
+        plan = placement.host_resident_plan(units, stage, p_size, r_size, room)
+    on_disk = {cls: 0 for cls in TensorClass}   # bytes homed on NVMe and not resident, per class
+    root_param = 0
+    chunk_read = chunk_write = 0
+    for u in units:
+        kept = plan.get(u.index, frozenset())
+        for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
+            one = {cls: n * (hi - lo) for cls, n in sizes.items()
+                   if placement.home(cls) is Tier.NVME and (cls, c) not in kept}
+            for cls, n in one.items():
+                on_disk[cls] += n
+            if u.is_root:
+                root_param += one.get(TensorClass.PARAM, 0)
+            job_read = sum(n for cls, n in one.items() if cls in OPTIMIZER_CLASSES or cls is TensorClass.GRAD)
+            job_write = sum(n for cls, n in one.items() if cls in OPTIMIZER_CLASSES or cls is TensorClass.PARAM)
+            chunk_read, chunk_write = max(chunk_read, job_read), max(chunk_write, job_write)
+    params = on_disk[TensorClass.PARAM]
+    states = sum(on_disk[c] for c in OPTIMIZER_CLASSES)
+    grads = on_disk[TensorClass.GRAD]
+    deferred = placement.defer_grad_writes and grads > 0
+    # the root unit is the step's last job: its new parameter shard is still in host memory when the next
+    # forward gathers it first, so its read is a hit; the first block's read is the first one exposed
+    first_unit = next((u for u in units if not u.is_root), None)
+    first = 0
+    if first_unit is not None and TensorClass.PARAM in sizes and placement.params is Tier.NVME:
+        first = min(first_unit.shard_numel, chunk) * p_size
+    # stage 3 with stored parameters: forward brings every shard to the device tier; backward walks the units
+    # in reverse, so the device tier (LRU) still holds the last ones forward used and misses the rest
+    moved = {}
+    again = 0
+    if placement.params is not None and StagePolicy.of(stage).shard_params:
+        shard_param = sum(u.shard_numel for u in units) * p_size
+        root_shard = sum(u.shard_numel for u in units if u.is_root) * p_size
+        device_room = config.tiers.device_bytes if isinstance(config.tiers.device_bytes, int) else shard_param
+        miss = max(0, shard_param - root_shard - max(device_room - root_shard, 0)) \
+            if config.zero.reshard_after_forward else 0
+        moved["host->device"] = shard_param + miss
+        if shard_param > root_shard:
+            again = int(miss * (params - root_param) / (shard_param - root_shard))
+    read = {"forward": params - root_param,                      # every unit once; the root stays gathered
+            "backward": again,
+            "step": states + (0 if deferred else grads)}
+    write = {"forward": 0, "backward": 0 if deferred else grads, "step": states + params}
+    moved.update({"nvme->host": sum(read.values()), "host->nvme": sum(write.values())})
+    if placement.grads is not None and stage >= 2:
+        moved["device->host"] = sum(u.shard_numel for u in units) * r_size
+    return {"read": read, "write": write, "moved": {k: v for k, v in moved.items() if v},
+            "first_read": first, "chunk": (chunk_read, chunk_write), "plan": plan}
+
+
+def _comm_s(layout: Layout, config: Config, world: int, rates) -> dict:
+    """Seconds of collectives per phase at this rank (exposed in full: module doc)."""
+    out = dict.fromkeys(PHASES, 0.0)
+    if world <= 1:
+        return out
+    stage = config.zero.stage
+    policy = StagePolicy.of(stage)
+    p_size = DTYPES[config.precision.param_dtype].itemsize
+    r_size = DTYPES[config.precision.reduce_dtype].itemsize
+    units = layout.units
+    full_params = sum(u.padded_numel for u in units) * p_size
+    full_grads = sum(u.padded_numel for u in units) * r_size
+    n = len(units)
+    if policy.shard_params:
+        out["forward"] = rates.collective_s("all_gather", full_params, n)
+        again = sum(u.padded_numel for u in units if not u.is_root) * p_size
+        out["backward"] = rates.collective_s("all_gather", again, max(n - 1, 1)) if config.zero.reshard_after_forward else 0.0
+    if stage == 0:
+        out["backward"] += rates.collective_s("all_reduce", full_grads, max(1, full_grads // config.zero.bucket_bytes))
+    elif stage >= 2:
+        out["backward"] += rates.collective_s("reduce_scatter", full_grads, n)
+    else:   # stage 1: reduce-scatter at the step
+        out["step"] += rates.collective_s("reduce_scatter", full_grads, n)
+    if policy.gather_after_step:
+        out["step"] += rates.collective_s("all_gather", full_params, n)
+    return out
+
+
+def predict(layout: Layout, config: Config, compute, rates, world: int, budgets: dict,
+            device_is_host: bool, max_live_bytes: int) -> Prediction:
+    """The predicted step of ``config`` (module doc). ``budgets``: resolved ``{Tier: bytes}``;
+    ``compute``: :class:`~infinity.plan.rates.ComputeRates` in the config's compute dtype."""
+    stage = config.zero.stage
+    p_size = DTYPES[config.precision.param_dtype].itemsize
+    r_size = DTYPES[config.precision.reduce_dtype].itemsize
+    placement = Placement.from_config(config)
+    units = layout.units
+    shard_numel = sum(u.shard_numel for u in units)
+    full_numel = sum(u.padded_numel for u in units)
+    checkpointing = config.zero.activation_checkpointing
+    traffic = tier_traffic(layout, config, budgets[Tier.HOST])
+    read, write = traffic["read"], traffic["write"]
+    prefetching = config.prefetch.bytes > 0
+    memcpy = rates.memcpy_gbps * 1e9
+    comm = _comm_s(layout, config, world, rates)
+    notes = []
+
+    compute_f, compute_b = compute.forward_s(), compute.backward_s(checkpointing)
+    phases = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
+
+    # forward: parameter reads, hidden behind compute by the prefetcher except the first unit's
+    disk_f = _disk_s(read["forward"], 0, rates)
+    first_s = _disk_s(traffic["first_read"], 0, rates)
+    exposed_f = max(disk_f - compute_f, min(first_s, disk_f)) if prefetching else disk_f
+    gathers = traffic["moved"].get("host->device", 0)
+    phases["forward"].update(compute_s=compute_f, io_wait_s=exposed_f, comm_s=comm["forward"],
+                             unattributed_s=gathers / 2 / memcpy)
+
+    # backward: parameter reads again, gradient writes; gradients folded into flat buffers
+    disk_b = _disk_s(read["backward"], write["backward"], rates)
+    exposed_b = max(disk_b - compute_b, 0.0) if prefetching or not read["backward"] else disk_b
+    fold = full_numel * r_size + traffic["moved"].get("device->host", 0)
+    phases["backward"].update(compute_s=compute_b, io_wait_s=exposed_b, comm_s=comm["backward"],
+                              unattributed_s=fold / memcpy + gathers / 2 / memcpy)
+
+    # the step: swap-in -> Adam -> write-back, pipelined
+    adam = rates.adam_s(shard_numel, "fp32")
+    disk_s = _disk_s(read["step"], write["step"], rates)
+    chunk_read, chunk_write = traffic["chunk"]
+    fill = _disk_s(chunk_read, 0, rates) + _disk_s(0, chunk_write, rates)
+    pipeline_io = max(disk_s - adam, 0.0) + fill if disk_s else 0.0
+    step = phases["step"]
+    step["comm_s"] = comm["step"]
+    if config.optimizer.overlap_backward and placement.optimizer is not None:
+        # the pipeline starts as each unit's gradient is final; on a CPU device Adam takes the cores
+        # backward computes on (it shows as backward compute), and only the disk hides behind backward
+        busy_b = phases["backward"]["compute_s"]
+        if device_is_host:
+            phases["backward"]["compute_s"] += adam
+            notes.append("overlap on a CPU device: Adam shares the cores with backward")
+            step["io_wait_s"] = max(disk_s + fill - (busy_b + adam), _disk_s(0, chunk_write, rates))
+        else:
+            hidden = busy_b
+            left = max(adam + pipeline_io - hidden, 0.0)
+            step["adam_s"] = min(adam, left)
+            step["io_wait_s"] = max(left - step["adam_s"], _disk_s(0, chunk_write, rates))
+    else:
+        step["adam_s"] = adam
+        step["io_wait_s"] = pipeline_io
+    step["unattributed_s"] = (read["step"] + write["step"]) / memcpy / 4   # staging copies beside the disk
+
+    activations = layout.activation_bytes[checkpointing]
+    bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
+                             device_is_host, max_live_bytes, activations, layout.largest_param_numel)
+    rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
+                        layout.largest_param_numel)
+    moved = dict(traffic["moved"])
+    if prefetching is False and read["forward"]:
+        notes.append("prefetch off: every parameter read is exposed")
+    if rates.lower_bound:
+        notes.append("the profile's figures are lower bounds (a small --bytes): I/O predictions read high")
+    return Prediction(phases=phases, rss=rss, moved_bytes=moved, notes=notes, rss_bound=bound)
+
+
+def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_size, r_size, budgets,
+                  device_is_host: bool, largest_param_numel: int) -> RssBound:
+    """The bound's terms at the occupancy the engine reaches rather than their worst case: gradient buffers
+    with one reduction in flight (the largest parameter's ``.grad`` beside the largest unit's full gradient
+    and shard at stages 2-3, its shard at stage 1), and the slack recomputed on that; with a store, host =
+    homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
+    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them), within the budget, and the device tier
+    (RAM on a CPU device) empty unless it holds stage-3 parameter copies."""
+    from infinity.estimate.peak_rss import SLACK_FIXED_BYTES, SLACK_FRACTION
+
+    grads = 0
+    if device_is_host:
+        largest_full = max(u.padded_numel for u in units) * r_size
+        largest_shard = max(u.shard_numel for u in units) * r_size
+        grads = largest_param_numel * p_size + (largest_full + largest_shard if stage >= 2 else
+                                                largest_shard if stage == 1 else 0)
+        grads = min(grads, bound.grad_buffers_bytes)
+    slack = SLACK_FIXED_BYTES + int(SLACK_FRACTION * (bound.gathered_params_bytes + grads + bound.activation_bytes))
+    bound = replace(bound, grad_buffers_bytes=grads, slack_bytes=slack)
+    if not placement.any_offload:
+        return bound
+    homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
+    resident = sum(_plan_bytes(traffic["plan"], placement, units, stage, p_size, r_size))
+    host = min(budgets[Tier.HOST], homed + resident + RESIDENT_RESERVE_JOBS * chunk_job)
+    device = bound.device_tier_bytes
+    if not (StagePolicy.of(stage).shard_params and placement.params is not None) or not device_is_host:
+        device = 0
+    return replace(bound, host_tier_bytes=host, device_tier_bytes=device)
+
+
+def _plan_bytes(plan: dict, placement, units, stage, p_size, r_size):
+    """Bytes of each unit's chunks kept in host memory for good (``plan``: host_resident_plan's answer)."""
+    sizes = placement.stored_itemsizes(stage, p_size, r_size)
+    chunk = placement.chunk_numel(stage, p_size, r_size)
+    for u in units:
+        kept = plan.get(u.index, frozenset())
+        if kept:
+            bounds = chunk_bounds(u.shard_numel, chunk)
+            yield sum(sizes.get(cls, 0) * (bounds[c][1] - bounds[c][0]) for cls, c in kept)

@@ -1,0 +1,38 @@
+"""A synthetic profile and compute figures for the planner's tests: fixed rates, nothing measured."""
+
+from __future__ import annotations
+
+import json
+
+from infinity.plan.rates import ComputeRates, Rates
+
+MiB = 2**20
+
+
+def profile_dict(read_gbps=1.0, write_gbps=1.0, adam_params_per_s=2e8, memcpy_gbps=8.0, nproc=2) -> dict:
+    """The sections Rates.from_profile reads, shaped as `infinity profile` writes them."""
+    row = {"block_bytes": MiB, "queue_depth": 2, "threads": 2, "read_gbps": read_gbps, "write_gbps": write_gbps}
+    coll = [{"op": op, "bytes": b, "algbw_gbps": 0.5} for op in ("all_reduce", "all_gather", "reduce_scatter")
+            for b in (MiB, 8 * MiB, 32 * MiB)]
+    return {"machine": {"cores_available": 2, "ram_available_bytes": 16 * 2**30},
+            "memcpy": {"gbps": memcpy_gbps},
+            "nvme": {"sweep": [row], "mixed": {"read_gbps": read_gbps * 0.6, "write_gbps": write_gbps * 0.6}},
+            "cpu_adam": {"params_per_s": adam_params_per_s},
+            "collectives": {"available": True, "rows": coll},
+            "io": {"block_bytes": MiB, "queue_depth": 2, "threads": 2, "direct": False, "checksum": True},
+            "settings": {"lower_bound": False}}
+
+
+def write_profile(path, **kw) -> str:
+    path.write_text(json.dumps(profile_dict(**kw)))
+    return str(path)
+
+
+def rates(**kw) -> Rates:
+    return Rates.from_profile(profile_dict(**kw), source="synthetic")
+
+
+def compute(blocks: int, block_s=0.01, root_s=0.005, saved=1 << 20) -> ComputeRates:
+    return ComputeRates(tokens=64, dtype="bfloat16", root_forward_s=root_s, root_backward_s=2 * root_s,
+                        block_forward_s=block_s, block_backward_s=2 * block_s, blocks=blocks,
+                        root_saved_bytes=saved, block_saved_bytes=saved, block_input_bytes=saved // 8)

@@ -1,0 +1,197 @@
+"""The planner: candidates predicted from measured rates, the fastest that fits chosen, an unfit request refused
+naming the least that would run, and the cost model's byte counts equal to what the engine moves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.config import Config
+from infinity.models import GPT, GPTConfig
+from infinity.plan import InfeasiblePlan, PlanRequest, make_plan
+from infinity.plan.planner import describe
+from infinity.plan.rates import PlanInputError, Rates, measure_compute
+from plan_cases import compute, profile_dict, rates, write_profile
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32)
+
+
+def _loss(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
+
+
+def _request(tmp_path, **kw) -> PlanRequest:
+    args = dict(build=lambda: GPT(GPTConfig(**SHAPE)), loss_fn=_loss, model_name="tiny", vocab_size=512,
+                batch=2, seq=32, host_bytes=64 * 2**20, device_bytes=64 * 2**20, nvme_path=str(tmp_path),
+                param_dtype="fp32")
+    args.update(kw)
+    return PlanRequest(**args)
+
+
+def test_a_request_nothing_fits_is_refused_naming_the_minimum_and_that_minimum_runs(tmp_path):
+    """Refused before anything is built (no swap file appears); the named minimum plans, and trains."""
+    with pytest.raises(InfeasiblePlan, match=r"below the least any config needs") as e:
+        make_plan(_request(tmp_path, host_bytes=4096, device_bytes=8192), rates(), compute(2))
+    assert list(tmp_path.iterdir()) == []
+    need = _named_minimum(e)
+    assert need > 8192 and "device_bytes" in str(e.value)
+    plan = make_plan(_request(tmp_path, host_bytes=4 << 20, device_bytes=need), rates(), compute(2))
+    assert plan.chosen.fits and plan.chosen.needs["device_bytes"] <= need
+
+
+def _named_minimum(error) -> int:
+    return int(str(error.value).split("(")[1].split(" bytes")[0])   # "... 1.2MiB (1234 bytes, ...)"
+
+
+def test_host_minimum_is_named_when_the_device_grant_suffices(tmp_path):
+    with pytest.raises(InfeasiblePlan) as e:
+        make_plan(_request(tmp_path, host_bytes=4096, device_bytes=8192), rates(), compute(2))
+    device = _named_minimum(e)
+    with pytest.raises(InfeasiblePlan, match=r"tiers.host_bytes 4.0KiB is below the least") as e:
+        make_plan(_request(tmp_path, host_bytes=4096, device_bytes=device), rates(), compute(2))
+    host = _named_minimum(e)
+    assert host > 4096
+    plan = make_plan(_request(tmp_path, host_bytes=host, device_bytes=device), rates(), compute(2))
+    assert plan.chosen.fits and plan.chosen.config.offload.optimizer != "none"
+
+
+def test_plenty_of_device_memory_keeps_everything_in_memory_and_a_small_grant_offloads(tmp_path):
+    roomy = make_plan(_request(tmp_path, device_bytes=2**30), rates(), compute(2))
+    assert roomy.chosen.config.offload.optimizer == "none" and roomy.chosen.config.offload.params == "none"
+    with pytest.raises(InfeasiblePlan) as e:
+        make_plan(_request(tmp_path, host_bytes=8 << 20, device_bytes=8192), rates(), compute(2))
+    tight = make_plan(_request(tmp_path, device_bytes=_named_minimum(e), host_bytes=8 << 20), rates(), compute(2))
+    off = tight.chosen.config.offload
+    assert "none" in (off.optimizer, off.params) and (off.optimizer, off.params) != ("none", "none")
+    assert tight.chosen.step_s <= min(c.step_s for c in tight.alternatives)
+    assert all(c.fits for c in tight.alternatives) and all(c.step_s == c.step_s for c in tight.faster_unfit)
+
+
+def test_a_slower_disk_is_predicted_slower_and_shows_in_the_io_term(tmp_path):
+    cfg = _nvme_config(tmp_path)
+    from infinity.plan.planner import model_layout
+    from infinity.plan.cost import predict
+    from infinity.store import Tier
+    req = _request(tmp_path)
+    c = compute(2)
+    layout = model_layout(req, 3, "fp32", 0, c)
+    budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
+    fast = predict(layout, cfg, c, rates(read_gbps=2.0, write_gbps=2.0), 1, budgets, True, 1 << 20)
+    slow = predict(layout, cfg, c, rates(read_gbps=0.01, write_gbps=0.01), 1, budgets, True, 1 << 20)
+    assert slow.step_s > fast.step_s
+    assert slow.totals()["io_wait_s"] - fast.totals()["io_wait_s"] == pytest.approx(slow.step_s - fast.step_s)
+
+
+def _nvme_config(tmp_path) -> Config:
+    return Config.from_dict({
+        "zero": {"stage": 3}, "precision": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
+        "offload": {"params": "nvme", "grads": "nvme", "optimizer": "nvme", "host_resident_bytes": "auto"},
+        "tiers": {"host_bytes": "1536KiB", "device_bytes": "1MiB", "nvme_path": str(tmp_path)},
+        "optimizer": {"threads": 1}})
+
+
+def test_predicted_bytes_per_tier_pair_equal_what_the_engine_moves(tmp_path):
+    """The cost model's disk traffic comes from placement's own accounting: it matches the store's counters
+    (at the host minimum, where no LRU room is left to hit: the model's assumption, module doc)."""
+    from infinity.plan.cost import tier_traffic
+    from infinity.plan.planner import model_layout
+    from infinity.store import Tier
+    from infinity.zero.placement import Placement
+    req = _request(tmp_path)
+    layout = model_layout(req, 3, "fp32", 0, compute(2))
+    # gradients homed in host memory: NVMe-homed ones whose dirty copies survive into the step are read
+    # less than the model's no-hit assumption says (cost.py's module doc)
+    cfg = _nvme_config(tmp_path).replace(offload={"grads": "host"})
+    least = Placement.from_config(cfg).min_budgets(layout.units, 3, 4, 4)[Tier.HOST][0]
+    cfg = cfg.replace(tiers={"host_bytes": least})
+    predicted = tier_traffic(layout, cfg, cfg.tiers.host_bytes)["moved"]
+    torch.manual_seed(0)
+    model, opt = infinity.initialize(GPT(GPTConfig(**SHAPE)), cfg)
+    engine = infinity.engine_of(model)
+    try:
+        for step in range(3):
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        moved = engine.stats.last_step["offload"]["moved_bytes"]
+    finally:
+        engine.close()
+    for pair in ("nvme->host", "host->nvme", "host->device"):
+        assert predicted[pair] == moved.get(pair, 0), (pair, moved.get(pair), predicted)
+
+
+def test_a_device_tier_too_small_for_the_parameters_rereads_them_in_backward(tmp_path):
+    from infinity.plan.cost import tier_traffic
+    from infinity.plan.planner import model_layout
+    roomy = _nvme_config(tmp_path)
+    small = roomy.replace(tiers={"device_bytes": 256 * 1024})
+    layout = model_layout(_request(tmp_path), 3, "fp32", 0, compute(2))
+    a = tier_traffic(layout, roomy, roomy.tiers.host_bytes)
+    b = tier_traffic(layout, small, small.tiers.host_bytes)
+    assert a["read"]["backward"] == 0 < b["read"]["backward"]
+    assert b["moved"]["host->device"] > a["moved"]["host->device"]
+
+
+def test_measured_compute_splits_root_and_blocks(tmp_path):
+    c = measure_compute(lambda: GPT(GPTConfig(**SHAPE)), _loss, 2, 32, torch.float32, 512, repeats=1)
+    assert c.blocks == 2 and c.tokens == 64
+    assert c.forward_s() > 0 and c.backward_s(True) >= c.backward_s(False) > 0
+    assert c.block_saved_bytes > c.block_input_bytes > 0
+    assert c.activation_bytes(True) < c.activation_bytes(False)
+
+
+def test_a_profile_missing_a_section_is_named():
+    p = profile_dict()
+    del p["cpu_adam"]
+    with pytest.raises(PlanInputError, match="missing 'cpu_adam'"):
+        Rates.from_profile(p, source="x.json")
+
+
+def test_the_description_prints_loadable_yaml_and_every_part(tmp_path):
+    import yaml
+    plan = make_plan(_request(tmp_path, device_bytes=2 << 20, host_bytes=8 << 20), rates(), compute(2, saved=1024))
+    text = "\n".join(describe(plan))
+    for part in ("predicted step", "predicted peak RSS", "bytes moved per step", "next best"):
+        assert part in text
+    assert Config.from_dict(yaml.safe_load(text)).to_dict() == plan.chosen.config.to_dict()
+
+
+def test_cli_refuses_an_infeasible_request_with_exit_2(tmp_path):
+    prof = write_profile(tmp_path / "profile.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "infinity.cli", "plan", "--model", "tiny:n_layer=2,n_embd=64,n_head=4,block_size=32",
+         "--host-bytes", "4KiB", "--device-bytes", "8KiB", "--profile", prof, "--tokens", "64",
+         "--swap-dir", str(tmp_path / "swap")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "below the least any config needs" in proc.stderr and not (tmp_path / "swap").exists()
+
+
+def test_cli_json_plan_loads_as_a_config(tmp_path):
+    prof = write_profile(tmp_path / "profile.json")
+    out = tmp_path / "chosen.yaml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "infinity.cli", "plan", "--model", "tiny:n_layer=2,n_embd=64,n_head=4,block_size=32",
+         "--host-bytes", "8MiB", "--device-bytes", "2MiB", "--profile", prof, "--tokens", "64", "--json",
+         "--out", str(out), "--swap-dir", str(tmp_path / "swap")],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["predicted"]["step_s"] > 0 and len(plan["alternatives"]) >= 1
+    assert set(plan["predicted"]["phases"]) == {"forward", "backward", "step"}
+    assert Config.from_file(out).to_dict() == Config.from_dict(plan["config"]).to_dict()
+
+
+def test_a_fixed_knob_is_planned_around_and_an_unknown_one_is_named(tmp_path):
+    plan = make_plan(_request(tmp_path, device_bytes=2**30, fixed={"zero.stage": 3, "offload.optimizer": "host"}),
+                     rates(), compute(2))
+    assert plan.chosen.config.zero.stage == 3 and plan.chosen.config.offload.optimizer == "host"
+    with pytest.raises(PlanInputError, match="--fix zero.stages: not a knob"):
+        make_plan(_request(tmp_path, fixed={"zero.stages": 3}), rates(), compute(2))
