@@ -40,6 +40,7 @@ least disturbed by its neighbours.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import math
 import os
@@ -56,12 +57,13 @@ from typing import Callable
 import psutil
 import torch
 
-from infinity.config import IOConfig, format_size
+from infinity.config import MASTER_FORMATS, MOMENT_FORMATS, IOConfig, format_size
 from infinity.io import ExtentFile, IOEngine, SwapIOError, aligned_empty, probe_direct_io
 from infinity.io.buffers import tensor_bytes_view
 from infinity.io.new_files import replaced
 from infinity.io.syscalls import O_DIRECT
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
+from infinity.optim.split_master import split_bf16_
 
 __all__ = [
     "ProfileError",
@@ -444,6 +446,7 @@ def measure_cpu_adam(numel: int, repeats: int = 3, threads: int | None = None) -
     finally:
         adam.close()
     del exp_avg, exp_avg_sq  # the baseline makes its own moments; keep peak memory at one optimizer's
+    formats = measure_adam_formats(param, grad, repeats, threads)
     weight = torch.nn.Parameter(param)
     weight.grad = grad
     lr, betas, eps, wd = (_ADAM_HYPER[k] for k in ("lr", "betas", "eps", "weight_decay"))
@@ -462,7 +465,40 @@ def measure_cpu_adam(numel: int, repeats: int = 3, threads: int | None = None) -
         "torch_fused_params_per_s": numel / torch_s,
         "ratio": torch_s / ours_s,
         "baseline": "torch.optim.AdamW(fused=True), same shard, same run",
+        "formats": formats,
     }
+
+
+def measure_adam_formats(param: torch.Tensor, grad: torch.Tensor, repeats: int, threads: int | None) -> dict:
+    """CpuAdamW with each stored format the config accepts other than fp32 / fp32 (``optimizer.master``
+    x ``optimizer.moments``, keyed ``master/moments``), the bf16 parameter written back as a bf16 run's
+    update does: ``{format: {"params_per_s": ...}}``. The planner prices each format's update by it."""
+    numel = param.numel()
+    rows = {}
+    adam = CpuAdamW(threads=threads)
+    try:
+        for master, moments in itertools.product(MASTER_FORMATS, MOMENT_FORMATS):
+            if (master, moments) == ("fp32", "fp32"):
+                continue
+            out = torch.empty(numel, dtype=torch.bfloat16)
+            if master == "remainder":
+                p = torch.empty(numel, dtype=torch.int16)
+                split_bf16_(param, out, p)
+            else:
+                p = param.clone()
+            mdtype = torch.float32 if moments == "fp32" else torch.bfloat16
+            m, v = torch.zeros(numel, dtype=mdtype), torch.zeros(numel, dtype=mdtype)
+            step = [0]
+
+            def run():
+                step[0] += 1
+                adam.step_(p, grad, m, v, step=step[0], out=out, **_ADAM_HYPER)
+
+            run()   # warm-up: the format's work buffers
+            rows[f"{master}/{moments}"] = {"params_per_s": numel / _best_s(run, repeats)}
+    finally:
+        adam.close()
+    return rows
 
 
 # ---------------------------------------------------------------- collectives

@@ -71,6 +71,10 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     assert adam["gbps"] > 0 and adam["torch_fused_gbps"] > 0
     assert adam["params_per_s"] == pytest.approx(adam["gbps"] * 1e9 / 16)
     assert adam["ratio"] == pytest.approx(adam["gbps"] / adam["torch_fused_gbps"])
+    # every other stored format the config accepts, priced for the planner
+    from infinity.config import MASTER_FORMATS, MOMENT_FORMATS
+    want = {f"{m}/{v}" for m in MASTER_FORMATS for v in MOMENT_FORMATS} - {"fp32/fp32"}
+    assert set(adam["formats"]) == want and all(r["params_per_s"] > 0 for r in adam["formats"].values())
 
     co = p["collectives"]
     assert co["available"] and co["nproc"] == 2 and co["backend"] == "gloo"

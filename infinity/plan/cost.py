@@ -19,8 +19,11 @@ backward, step), so a prediction and a run compare term by term. Each comes from
   both at once at the at-once rates, whichever is slower) less the compute it overlaps when prefetch
   runs ahead, never less than the first unit's read (nothing runs before it to hide it behind).
 - the optimizer step: a pipeline of swap-in, CPU Adam, write-back: the slower of the disk and Adam,
-  plus the first chunk's read and the last one's write. With ``optimizer.overlap_backward`` it runs
-  during backward; on a CPU compute device Adam and backward share the cores, so only the disk hides.
+  plus the first chunk's read and the last one's write, at the CPU Adam rate the profile measured for
+  the config's stored formats. With ``optimizer.overlap_backward`` it runs during backward
+  (``overlap_mode`` backward) or during the next forward (next_forward: clipping, fp16), and what it
+  cannot hide shows in that phase's step or forward; on a CPU compute device Adam and the compute share
+  the cores, so only the disk hides.
 - communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
   its per-unit size, exposed in full (gloo runs on the cores the compute uses).
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
@@ -36,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from infinity.config import Config
+from infinity.plan.rates import adam_mode
 from infinity.estimate.peak_rss import RssBound, predict_peak_rss
 from infinity.store import Tier
 from infinity.zero.engine import DTYPES
@@ -221,26 +225,35 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
                               unattributed_s=fold / memcpy + gathers / 2 / memcpy)
 
     # the step: swap-in -> Adam -> write-back, pipelined
-    adam = rates.adam_s(shard_numel, "fp32")
+    mode = adam_mode(config)
+    if not rates.has_adam_mode(mode):   # a profile older than the format: the fp32 update's rate, said
+        notes.append(f"CPU Adam with states {mode} not in the profile: the fp32 rate is used "
+                     "(run `infinity profile` again)")
+        mode = "fp32/fp32"
+    adam = rates.adam_s(shard_numel, mode)
     disk_s = _disk_s(read["step"], write["step"], rates)
     chunk_read, chunk_write = traffic["chunk"]
     fill = _disk_s(chunk_read, 0, rates) + _disk_s(0, chunk_write, rates)
     pipeline_io = max(disk_s - adam, 0.0) + fill if disk_s else 0.0
     step = phases["step"]
     step["comm_s"] = comm["step"]
-    if config.optimizer.overlap_backward and placement.optimizer is not None:
-        # the pipeline starts as each unit's gradient is final; on a CPU device Adam takes the cores
-        # backward computes on (it shows as backward compute), and only the disk hides behind backward
-        busy_b = phases["backward"]["compute_s"]
+    overlap = config.update_overlap() if placement.optimizer is not None else "off"
+    if overlap != "off":
+        # backward: the pipeline starts as each unit's gradient is final, and hides behind backward;
+        # next_forward: step() launches it and the next forward waits per unit, so it hides behind
+        # forward (a third of the compute, not two) and what is left shows in forward. On a CPU device
+        # Adam takes the cores that phase computes on (it shows as its compute), and only the disk hides.
+        host = phases["backward" if overlap == "backward" else "forward"]
+        waits = step if overlap == "backward" else host
+        busy = host["compute_s"]
         if device_is_host:
-            phases["backward"]["compute_s"] += adam
-            notes.append("overlap on a CPU device: Adam shares the cores with backward")
-            step["io_wait_s"] = max(disk_s + fill - (busy_b + adam), _disk_s(0, chunk_write, rates))
+            host["compute_s"] += adam
+            notes.append(f"overlap ({overlap}) on a CPU device: Adam shares the cores with the compute")
+            waits["io_wait_s"] += max(disk_s + fill - (busy + adam), _disk_s(0, chunk_write, rates))
         else:
-            hidden = busy_b
-            left = max(adam + pipeline_io - hidden, 0.0)
-            step["adam_s"] = min(adam, left)
-            step["io_wait_s"] = max(left - step["adam_s"], _disk_s(0, chunk_write, rates))
+            left = max(adam + pipeline_io - busy, 0.0)
+            waits["adam_s"] += min(adam, left)
+            waits["io_wait_s"] += max(left - min(adam, left), _disk_s(0, chunk_write, rates))
     else:
         step["adam_s"] = adam
         step["io_wait_s"] = pipeline_io

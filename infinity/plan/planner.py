@@ -39,8 +39,10 @@ __all__ = ["PlanRequest", "Plan", "Choice", "InfeasiblePlan", "DIMENSIONS", "mak
 
 _MiB = 2**20
 TIERS = ("none", "host", "nvme")
-# knob -> the values tried; "section.key". The fewer-bytes formats (optimizer.master / optimizer.moments)
-# and new overlap modes are more rows or values here.
+# knob -> the values tried; "section.key". optimizer.master remainder is exact, so it is tried (the config
+# refuses it but for bf16 parameters); lossy moments (bf16) are planned only when asked for,
+# ``--fix optimizer.moments=bf16``. Where overlap_backward overlaps is the config's overlap_mode auto
+# (next_forward with clipping or fp16), which the cost model follows.
 DIMENSIONS = {
     "zero.stage": (0, 1, 2, 3),
     "offload.params": TIERS,
@@ -51,6 +53,8 @@ DIMENSIONS = {
     "precision.reduce_dtype": ("fp32", "bf16"),
     "offload.chunk_bytes": (64 * _MiB, 192 * _MiB, 256 * _MiB),
     "prefetch.bytes": (0, 256 * _MiB),
+    "optimizer.master": ("fp32", "remainder"),
+    "optimizer.moments": ("fp32",),
 }
 # knobs that change nothing unless something is stored (chunking) or stage-3 parameters are (prefetch)
 _STORE_ONLY = ("offload.chunk_bytes",)
@@ -212,6 +216,8 @@ def _enumerate(request: PlanRequest, io: dict):
             continue
         if request.param_dtype == "fp32" and knobs["precision.reduce_dtype"] != "fp32":
             continue
+        if knobs["optimizer.master"] != "fp32" and knobs["offload.optimizer"] == "none":
+            continue   # a smaller master matters for what is stored and moved; in memory the fp32 one is kept
         if knobs["offload.params"] == "nvme" or knobs["offload.grads"] == "nvme" or knobs["offload.optimizer"] == "nvme":
             if request.nvme_path is None:
                 continue

@@ -29,12 +29,18 @@ import torch.nn as nn
 from infinity.zero.units import choose_unit_modules
 
 __all__ = ["Rates", "ComputeRates", "PlanInputError", "load_profile", "measure_compute", "truncated_model",
-           "ADAM_MODES"]
+           "ADAM_MODES", "adam_mode"]
 
-# CPU Adam per stored state format: the profile key holding its parameters-per-second figure. Today one
-# format (fp32 master and moments); a new format (bf16 or int8 moments, a bf16-remainder master) adds
-# its row here and its measurement in the profile's cpu_adam section.
-ADAM_MODES = {"fp32": "params_per_s"}
+# CPU Adam per stored state format ("master/moments", as optimizer.master / optimizer.moments name
+# them): the fp32 update is the profile's cpu_adam params_per_s; every other format's figure is in its
+# cpu_adam "formats" section (:func:`infinity.profile.measure_cpu_adam` measures each format the config
+# accepts), so a format added to the config is profiled and planned without a row here.
+ADAM_MODES = {"fp32/fp32": "params_per_s"}
+
+
+def adam_mode(config) -> str:
+    """The state-format key of ``config``'s optimizer (``master/moments``), as :attr:`Rates.adam_params_per_s` keys it."""
+    return f"{config.optimizer.master}/{config.optimizer.moments}"
 
 
 class PlanInputError(ValueError):
@@ -77,6 +83,8 @@ class Rates:
                     coll.setdefault(r["op"], []).append((r["bytes"], r["algbw_gbps"]))
                 coll = {k: sorted(v) for k, v in coll.items()}
             modes = {mode: adam[key] for mode, key in ADAM_MODES.items() if key in adam}
+            modes.update({mode: row["params_per_s"] for mode, row in (adam.get("formats") or {}).items()
+                          if mode not in modes})
             return cls(memcpy_gbps=profile["memcpy"]["gbps"], read_gbps=read, write_gbps=write,
                        mixed_read_gbps=mixed_read, mixed_write_gbps=mixed_write, adam_params_per_s=modes,
                        collectives=coll, io=dict(best),
@@ -87,11 +95,16 @@ class Rates:
             raise PlanInputError(f"{source}: not an infinity profile (missing {e}); make one with "
                                  "`infinity profile`") from None
 
-    def adam_s(self, numel: int, mode: str = "fp32") -> float:
-        """Seconds of CPU Adam over ``numel`` parameters with states in ``mode``."""
+    def adam_s(self, numel: int, mode: str = "fp32/fp32") -> float:
+        """Seconds of CPU Adam over ``numel`` parameters with states in ``mode`` (``master/moments``)."""
         if mode not in self.adam_params_per_s:
-            raise PlanInputError(f"{self.source}: no CPU Adam figure for state format {mode!r}")
+            raise PlanInputError(f"{self.source}: no CPU Adam figure for state format {mode!r} (a profile "
+                                 "older than the format: run `infinity profile` again)")
         return numel / self.adam_params_per_s[mode]
+
+    def has_adam_mode(self, mode: str) -> bool:
+        """Whether the profile measured CPU Adam with states in ``mode``."""
+        return mode in self.adam_params_per_s
 
     def collective_s(self, op: str, nbytes: int, calls: int = 1) -> float:
         """Seconds for ``calls`` collectives of ``op`` moving ``nbytes`` in all (full-tensor bytes), at the

@@ -195,3 +195,63 @@ def test_a_fixed_knob_is_planned_around_and_an_unknown_one_is_named(tmp_path):
     assert plan.chosen.config.zero.stage == 3 and plan.chosen.config.offload.optimizer == "host"
     with pytest.raises(PlanInputError, match="--fix zero.stages: not a knob"):
         make_plan(_request(tmp_path, fixed={"zero.stages": 3}), rates(), compute(2))
+
+
+def _bf16_nvme(tmp_path, **optimizer) -> Config:
+    return _nvme_config(tmp_path).replace(precision={"param_dtype": "bf16", "reduce_dtype": "bf16"},
+                                          optimizer=optimizer)
+
+
+def _predict(tmp_path, cfg, rates_):
+    from infinity.plan.cost import predict
+    from infinity.plan.planner import model_layout
+    from infinity.store import Tier
+    c = compute(2)
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, c)
+    budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
+    return predict(layout, cfg, c, rates_, 1, budgets, True, 1 << 20)
+
+
+def test_a_stored_format_is_priced_at_its_profiled_adam_rate_and_moves_fewer_bytes(tmp_path):
+    """The remainder master's update costs what the profile measured for it, and its stored bytes follow
+    placement; a profile without that format's figure falls back to fp32's, and says so."""
+    slow_formats = {"remainder/fp32": {"params_per_s": 1e6}}
+    fp32 = _predict(tmp_path, _bf16_nvme(tmp_path), rates(adam_formats=slow_formats))
+    rem = _predict(tmp_path, _bf16_nvme(tmp_path, master="remainder"), rates(adam_formats=slow_formats))
+    assert rem.phases["step"]["adam_s"] > 10 * fp32.phases["step"]["adam_s"] > 0
+    assert rem.moved_bytes["host->nvme"] < fp32.moved_bytes["host->nvme"]
+    old = _predict(tmp_path, _bf16_nvme(tmp_path, master="remainder"), rates())
+    assert old.phases["step"]["adam_s"] == pytest.approx(fp32.phases["step"]["adam_s"])
+    assert any("remainder/fp32 not in the profile" in n for n in old.notes)
+
+
+def test_the_update_during_the_next_forward_hides_behind_forward_and_waits_there(tmp_path):
+    """Clipping makes overlap_backward's update run in the next forward (overlap_mode auto): the model
+    charges its Adam to forward (a CPU device: the cores are shared) and leaves the step phase without it;
+    the backward mode charges backward."""
+    base = dict(overlap_backward=True)
+    backward = _predict(tmp_path, _bf16_nvme(tmp_path, **base), rates())
+    clipped = _bf16_nvme(tmp_path, **base).replace(schedule={"clip_grad_norm": 1.0})
+    assert clipped.update_overlap() == "next_forward"
+    nxt = _predict(tmp_path, clipped, rates())
+    plain = _predict(tmp_path, _bf16_nvme(tmp_path).replace(schedule={"clip_grad_norm": 1.0}), rates())
+    adam = plain.phases["step"]["adam_s"]
+    assert adam > 0
+    assert nxt.phases["forward"]["compute_s"] == pytest.approx(plain.phases["forward"]["compute_s"] + adam)
+    assert backward.phases["backward"]["compute_s"] == pytest.approx(plain.phases["backward"]["compute_s"] + adam)
+    assert nxt.phases["step"]["adam_s"] == 0 and nxt.phases["backward"]["compute_s"] == pytest.approx(
+        plain.phases["backward"]["compute_s"])
+
+
+def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_moments_unasked(tmp_path):
+    req = _request(tmp_path, param_dtype="bf16", host_bytes=8 << 20, device_bytes=3 << 20)
+    fast = {"remainder/fp32": {"params_per_s": 4e8}, "fp32/bf16": {"params_per_s": 4e8},
+            "remainder/bf16": {"params_per_s": 4e8}}
+    plan = make_plan(req, rates(read_gbps=0.05, write_gbps=0.05, adam_formats=fast), compute(2))
+    everything = [plan.chosen, *plan.alternatives, *plan.faster_unfit]
+    assert plan.chosen.config.offload.optimizer != "none"
+    assert plan.chosen.config.optimizer.master == "remainder"   # fewer bytes on a slow disk, same math
+    assert all(c.config.optimizer.moments == "fp32" for c in everything)
+    lossy = make_plan(PlanRequest(**{**req.__dict__, "fixed": {"optimizer.moments": "bf16"}}),
+                      rates(read_gbps=0.05, write_gbps=0.05, adam_formats=fast), compute(2))
+    assert lossy.chosen.config.optimizer.moments == "bf16"
