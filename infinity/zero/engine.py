@@ -223,7 +223,7 @@ class ZeroEngine:
         return GradReducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
                            config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
                            room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
-                           overflow_coll=overflow_coll)
+                           overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward)
 
     def _place_unit(self, unit, flat32: torch.Tensor) -> None:
         """Broadcast rank 0's values, make parameters views of the full buffer, put this rank's shard home."""

@@ -79,8 +79,12 @@ class GradReducer:
 
     def __init__(self, units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device,
                  bucket_bytes: int, shard_rank: int, fp16: bool, room=None, square_sum=None,
-                 norm_coll=None, overflow_coll=None):
+                 norm_coll=None, overflow_coll=None, settle_now=None):
         self.units, self.policy, self.coll, self.unit_comm = units, policy, coll, unit_comm
+        # settle_now(): True while another party (an overlapped update's pipeline) pins host room beside
+        # backward; each fold is then finished at once, so the pins a fold in flight holds (its brought
+        # sum, its staging) never sit where that party is waiting for room it cannot see being freed
+        self._settle_now = settle_now or (lambda: False)
         self.reduce_dtype, self.device, self.shard_rank = reduce_dtype, device, shard_rank
         self.fp16 = fp16
         self.arena: torch.Tensor | None = None
@@ -188,6 +192,8 @@ class GradReducer:
         inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
         self._settle_landed_writes()
         write = unit.shard.fold_grad(out, first, inspect, room=self.room)
+        if write is not None and self._settle_now():
+            write.result()
         if write is not None:
             self.writes.append(write)
             self._unit_writes[unit.index] = write

@@ -314,6 +314,12 @@ class ShardUpdate:
         """Whether unit ``index``'s update has begun this step (it is not to be gathered or prefetched)."""
         return self.overlap is not None and self.overlap.updating(index)
 
+    def pins_beside_backward(self) -> bool:
+        """Whether an overlapped update may hold host room pinned while backward folds gradients (the
+        reducer then finishes each fold at once: see :class:`~infinity.zero.grads.GradReducer`). Any
+        overlapped step: folds still in flight when the pipeline starts would pin room it cannot wait for."""
+        return self.overlap is not None
+
     def with_room(self, attempt):
         """A store operation on the caller's thread; during an overlapped step it may wait for host room
         the update holds pinned (without overlap nothing else pins host copies while backward runs)."""
