@@ -469,6 +469,21 @@ def measure_cpu_adam(numel: int, repeats: int = 3, threads: int | None = None) -
     }
 
 
+def format_states(master_fp32: torch.Tensor, master: str, moments: str) -> tuple:
+    """``(param, exp_avg, exp_avg_sq, out)`` for :meth:`CpuAdamW.step_` with states stored as
+    ``optimizer.master`` / ``optimizer.moments`` say: the master as given (a copy) or its int16
+    remainder beside ``out``, its bf16 parameter; zeroed moments in fp32 or bf16."""
+    numel = master_fp32.numel()
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    if master == "remainder":
+        param = torch.empty(numel, dtype=torch.int16)
+        split_bf16_(master_fp32, out, param)
+    else:
+        param = master_fp32.clone()
+    dtype = torch.float32 if moments == "fp32" else torch.bfloat16
+    return param, torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype), out
+
+
 def measure_adam_formats(param: torch.Tensor, grad: torch.Tensor, repeats: int, threads: int | None) -> dict:
     """CpuAdamW with each stored format the config accepts other than fp32 / fp32 (``optimizer.master``
     x ``optimizer.moments``, keyed ``master/moments``), the bf16 parameter written back as a bf16 run's
@@ -480,14 +495,7 @@ def measure_adam_formats(param: torch.Tensor, grad: torch.Tensor, repeats: int, 
         for master, moments in itertools.product(MASTER_FORMATS, MOMENT_FORMATS):
             if (master, moments) == ("fp32", "fp32"):
                 continue
-            out = torch.empty(numel, dtype=torch.bfloat16)
-            if master == "remainder":
-                p = torch.empty(numel, dtype=torch.int16)
-                split_bf16_(param, out, p)
-            else:
-                p = param.clone()
-            mdtype = torch.float32 if moments == "fp32" else torch.bfloat16
-            m, v = torch.zeros(numel, dtype=mdtype), torch.zeros(numel, dtype=mdtype)
+            p, m, v, out = format_states(param, master, moments)
             step = [0]
 
             def run():

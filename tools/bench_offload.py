@@ -226,23 +226,16 @@ def bench_formats(shard_numel: int, shards: int, threads: int, reps: int) -> dic
     the fp32 master and fp32 moments, bf16 parameter written back in every case; the formats alternate
     rep by rep so load from other processes hits all alike. The overhead is the formats' conversions
     (join/split of the master, widening/rounding of the moments) over the plain fp32 update."""
-    from infinity.optim.split_master import split_bf16_
+    from infinity.profile import format_states
 
     g = torch.Generator().manual_seed(0)
     states = {}
     for master, moments in FORMATS:
-        mdtype = torch.float32 if moments == "fp32" else torch.bfloat16
         rows = []
         for i in range(shards):
             p32 = torch.randn(shard_numel, generator=torch.Generator().manual_seed(i))
-            out = torch.empty(shard_numel, dtype=torch.bfloat16)
-            if master == "remainder":
-                p = torch.empty(shard_numel, dtype=torch.int16)
-                split_bf16_(p32, out, p)
-            else:
-                p = p32
-            rows.append((p, torch.randn(shard_numel, generator=g), torch.zeros(shard_numel, dtype=mdtype),
-                         torch.zeros(shard_numel, dtype=mdtype), out))
+            p, m, v, out = format_states(p32, master, moments)
+            rows.append((p, torch.randn(shard_numel, generator=g), m, v, out))
         states[(master, moments)] = rows
     ours = CpuAdamW(threads=threads)
     prev = torch.get_num_threads()
