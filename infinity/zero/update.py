@@ -316,9 +316,10 @@ class ShardUpdate:
 
     def pins_beside_backward(self) -> bool:
         """Whether an overlapped update may hold host room pinned while backward folds gradients (the
-        reducer then finishes each fold at once: see :class:`~infinity.zero.grads.GradReducer`). Any
-        overlapped step: folds still in flight when the pipeline starts would pin room it cannot wait for."""
-        return self.overlap is not None
+        reducer then finishes each fold at once: see :class:`~infinity.zero.grads.GradReducer`). The
+        backward mode, from the step's first backward on (folds still in flight when the pipeline starts
+        would pin room it cannot wait for); next_forward finishes its launched update before a backward."""
+        return self.overlap is not None and not self.launches
 
     def with_room(self, attempt):
         """A store operation on the caller's thread; during an overlapped step it may wait for host room
