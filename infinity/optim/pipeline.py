@@ -124,14 +124,20 @@ class AdamPipeline:
     :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
     ``host_registrar`` page-locks the staging buffers of those copies (default: ``cudaHostRegister``
     when the tensors are on CUDA, none on CPU).
+    ``yields_to(owner)`` picks the store pin owners whose pins the swap-in waits out when refused host
+    room (:meth:`TensorStore.wait_for_pins`): owners that drop their pins without waiting for this
+    pipeline, such as gradient folds finished as they are made beside an overlapped update. Default:
+    none (the room that other owners' pins hold is taken as not coming back).
     """
 
     def __init__(self, store: TensorStore | None, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
-                 copy_cpu_tensors: bool = False, host_registrar: HostRegistrar | None = None):
+                 copy_cpu_tensors: bool = False, host_registrar: HostRegistrar | None = None,
+                 yields_to: Callable[[object], bool] | None = None):
         if lookahead < 1:
             raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
         self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
         self.copy_cpu_tensors = copy_cpu_tensors
+        self.yields_to = yields_to
         self._copier: DeviceCopier | None = None
         self._staging: HostBufferPool | None = None   # host buffers of device tensors' copies
         self._host_registrar = host_registrar
@@ -487,17 +493,23 @@ class AdamPipeline:
 
         The store refuses (BudgetError) when the room is held by pinned copies, which
         for us are shards the compute thread has not finished: wait for the
-        next one to finish and retry. If it holds none, the host budget is below one shard's
+        next one to finish and retry; or copies pinned by owners this pipeline yields to (gradient
+        folds beside an overlapped update, which never wait for it while they hold a pin): wait for
+        those to be dropped and retry. If it holds none, the host budget is below one shard's
         working set and waiting would never end, so the error stands."""
         move = self.store.claim if overwrite else self.store.bring
         # stopped (an error or abort): this thread gives up at once; the step's threads may already be
         # detached from `running` by a join waiting for this one to exit
+        yielded = None if self.yields_to is None else \
+            (lambda tier: self.store.wait_for_pins(tier, self.yields_to, stopped=self._stop.is_set))
         return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released,
-                                    stopped=self._stop.is_set)
+                                    stopped=self._stop.is_set, yielded=yielded)
 
-    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool], stopped: Callable | None = None):
+    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool], stopped: Callable | None = None,
+                        yielded: Callable | None = None):
         """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
-        will release a shard, wait for that and try again. Otherwise, if the room is held by copies
+        will release a shard, wait for that and try again. Otherwise, if ``yielded(tier)`` waited for
+        other owners' pins there to go (True), try again. Otherwise, if the room is held by copies
         only a write can free (gradients left unwritten for updates not begun, whose swap-in may itself
         wait for this room), write some home (``store.spill``) and try again; else the error stands.
         ``stopped()`` True ends the retries (default: this step was stopped while still running)."""
@@ -517,7 +529,7 @@ class AdamPipeline:
                         if self._error is not None:   # the pipeline failed: its cause, not the room it held
                             raise self._error from e
                         raise
-                if waiting:
+                if waiting or (yielded is not None and yielded(e.tier)):
                     continue
                 spilled = self.store.spill(e.tier, e.requested_bytes) if self.store is not None else []
                 if not spilled:

@@ -352,6 +352,24 @@ class TensorStore(TransferRunner):
                 raise self._refuse(rec, tier, "unpin", f"owner {owner!r} holds no pin on it")
             self._cond.notify_all()
 
+    def wait_for_pins(self, tier: Tier | str, owners: Callable[[object], bool],
+                      stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> bool:
+        """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks; False at once
+        (nothing waited for) when none is. For a caller refused room (BudgetError) held by pins of owners
+        that drop them without waiting for that caller, e.g. an optimizer's swap-in beside gradient folds
+        that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
+        tier = Tier.parse(tier)
+
+        def held() -> bool:
+            return any(owners(o) for rec in self._keys.values() for o in rec.copies[tier].pinned_by)
+
+        with self._cond:
+            if not held():
+                return False
+            while held() and not stopped() and not self._closed:
+                self._cond.wait(poll_s)
+        return True
+
     @contextlib.contextmanager
     def use(self, key: str, tier: Tier | str, dirty: bool = False, owner=None) -> Iterator[torch.Tensor]:
         """``with store.use(key, tier, dirty=True) as t:`` bring, pin, yield; on exit mark dirty, unpin.

@@ -38,7 +38,8 @@ import torch
 
 from infinity.store import BudgetError
 
-__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
+__all__ = ["PendingFold", "FoldStaging", "all_folds", "fold_owner", "is_fold_owner", "STAGING_BUFFERS",
+           "CLAIMS_IN_FLIGHT"]
 
 # Staging buffers for accumulation folds in flight at once: one being copied while the one before
 # is folded; more would only hold host memory while the same copy lane drains them in order.
@@ -47,6 +48,19 @@ STAGING_BUFFERS = 2
 # A claim that also writes home is in flight until the write is done, so this keeps at most that many
 # gradient writes queued too: about the I/O engine's queue depth, more would only wait there.
 CLAIMS_IN_FLIGHT = 8
+
+
+def fold_owner(unit_index: int, chunk: int) -> tuple:
+    """The store pin owner of a fold's brought sum (unit ``unit_index``'s gradient chunk ``chunk``)."""
+    return ("fold", unit_index, chunk)
+
+
+def is_fold_owner(owner) -> bool:
+    """Whether a pin's owner token is a gradient fold's. Such pins are dropped without waiting for an
+    overlapped update's pipeline: a fold waits for that pipeline's room only with no fold of its rank in
+    flight (:meth:`FoldStaging.with_room` finishes them first), and a staging buffer it cannot get at once
+    makes it fold the blocking way. So that pipeline may wait for them (``AdamPipeline(yields_to=...)``)."""
+    return isinstance(owner, tuple) and len(owner) == 3 and owner[0] == "fold"
 
 
 class PendingFold:
@@ -136,14 +150,15 @@ class FoldStaging:
         self.peak_bytes = 0
         self.waits = 0
 
-    def stage(self, src: torch.Tensor, finish, cleanup=None, after=(), room=None) -> PendingFold:
+    def stage(self, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
         """Copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then ``cleanup()``, then the
-        buffer goes back. ``room(attempt)`` wraps the claim of the buffer (it may wait for host room)."""
-        room = room or (lambda attempt: attempt())
+        buffer goes back. Without host room for the buffer once the folds in flight are finished, this
+        raises BudgetError at once (the caller folds the blocking way): it never waits for room another
+        party holds, as the caller's brought sum may be pinned meanwhile (see :func:`is_fold_owner`)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
-        buf = self.with_room(lambda: room(lambda: self.store.host_scratch(nbytes)))
+        buf = self.with_room(lambda: self.store.host_scratch(nbytes))
         staged = buf[:nbytes].view(src.dtype).view(src.shape)
         self.held_buffers += 1
         self._held_bytes += buf.numel()
@@ -172,7 +187,7 @@ class FoldStaging:
         claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
         room = room or (lambda attempt: attempt())
         self._make_way(lambda: self.claims_in_flight >= self.max_claims)
-        claimed = self.with_room(lambda: room(attempt))
+        claimed = room(lambda: self.with_room(attempt))   # room waits only once no fold is in flight
         self.claims_in_flight += 1
         self.peak_claims = max(self.peak_claims, self.claims_in_flight)
 
@@ -194,7 +209,9 @@ class FoldStaging:
     def with_room(self, attempt):
         """``attempt()`` (a store call for host room); refused for room (BudgetError) while folds in flight
         hold some (their pinned sums, their staging), the oldest is finished and it is tried again: the
-        folds in flight never need more room than one fold done the blocking way."""
+        folds in flight never need more room than one fold done the blocking way. Refused with none in
+        flight, the error stands: a caller that may wait for another party's room (``room(...)``) waits
+        around this call, so it holds no fold's pin while it waits."""
         while True:
             try:
                 return attempt()

@@ -40,7 +40,7 @@ import threading
 import torch
 
 from infinity.store import BudgetError, TensorStore, Tier
-from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds
+from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds, fold_owner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
@@ -328,8 +328,10 @@ class StoreUnitShard(UnitShard):
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
-        owner = ("fold", self.unit_index, chunk)
-        brought = self.staging.with_room(lambda: room(lambda: self.store.bring(key, Tier.HOST, pin=True,
+        owner = fold_owner(self.unit_index, chunk)
+        # room (which may wait for an overlapped update's room) around with_room: no fold's pin is held
+        # while it waits, as that update may be waiting for those pins (is_fold_owner)
+        brought = room(lambda: self.staging.with_room(lambda: self.store.bring(key, Tier.HOST, pin=True,
                                                                                 owner=owner)))
 
         def finish(staged: torch.Tensor) -> None:
@@ -346,7 +348,7 @@ class StoreUnitShard(UnitShard):
                 self.store.unpin(key, Tier.HOST, owner)
 
         try:
-            return self.staging.stage(part, finish, cleanup=unpin, after=[brought], room=room)
+            return self.staging.stage(part, finish, cleanup=unpin, after=[brought])
         except BudgetError:
             # no host room for a staging buffer, and no fold in flight to free some (a host budget at
             # its minimum: the homes and one optimizer job): this one is summed the blocking way

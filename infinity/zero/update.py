@@ -32,6 +32,7 @@ import time
 
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.pipeline import AdamPipeline, ShardJob
+from infinity.zero.grad_staging import is_fold_owner
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.overlap import OverlappedStep, OverlapPhase
 from infinity.zero.units import TensorClass
@@ -56,7 +57,9 @@ class ShardUpdate:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
-        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer)
+        # beside an overlapped update the folds pin brought gradient sums briefly and never wait for the
+        # update while they do: its swap-in may wait for them (grad_staging.is_fold_owner)
+        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, yields_to=is_fold_owner)
         self.overlap = OverlappedStep(rank, overlap_mode, accum_steps) if overlap_mode != "off" else None
         self.launches = self.overlap is not None and overlap_mode == "next_forward"
         self._launched_stats: dict | None = None   # the launched step's offload stats, completed when settled

@@ -1,5 +1,8 @@
 """The pipelined offloaded Adam step against torch.optim.AdamW, on host and NVMe homes."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -8,7 +11,7 @@ from infinity.config import IOConfig, TiersConfig
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.pipeline import AdamPipeline, ShardJob
 from infinity.optim.split_master import round_bf16_
-from infinity.store import TensorStore, Tier
+from infinity.store import BudgetError, TensorStore, Tier
 from infinity.trace import Tracer
 
 NUMEL = 4096 * 3   # 48 KiB fp32: a multiple of 4096 bytes in fp32 and bf16
@@ -249,3 +252,65 @@ def test_a_split_master_job_is_bitwise_the_fp32_master_job(tmp_path, param_home)
                                    ref_store.wait(ref_store.bring(f"u{i}.{name}", Tier.HOST)))
         ref_pipe.close()
         pipe.close()
+
+
+def _fold_pinned_beside(store, seconds: float):
+    """An extra key pinned in host memory by a fold owner, unpinned from another thread after ``seconds``."""
+    owner = ("fold", 0, 0)
+    store.wait(store.register("x.grad", (NUMEL,), dtype=torch.float32, home="nvme"))
+    store.wait(store.bring("x.grad", Tier.HOST, pin=True, owner=owner))
+    unpinned = {}
+
+    def later():
+        time.sleep(seconds)
+        unpinned["at"] = time.perf_counter()
+        store.unpin("x.grad", Tier.HOST, owner)
+    thread = threading.Thread(target=later)
+    thread.start()
+    return thread, unpinned
+
+
+def test_the_swap_in_waits_out_the_pins_of_owners_it_yields_to(tmp_path):
+    """Room held by another owner's pin: with ``yields_to`` naming that owner the swap-in waits for the
+    unpin (from another thread) and the step is the same as with the room free; without, the step is
+    refused for room at once (BudgetError naming the tier), as that pin could be one that never goes."""
+    budget = 4 * NUMEL * 4 + NUMEL * 2   # one shard's four fp32 tensors, and half of one more
+    results = {}
+    for yields in (True, False, None):
+        with _store(tmp_path / str(yields), budget) as store:
+            _, jobs = _make(store, 2, "nvme", False)
+            _set_grads(store, 2, 0)
+            pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1,
+                                yields_to=(lambda o: o == ("fold", 0, 0)) if yields else None)
+            thread = unpinned = None
+            if yields is not None:
+                thread, unpinned = _fold_pinned_beside(store, 0.3)
+            try:
+                if yields is False:
+                    with pytest.raises(BudgetError, match="host tier"):
+                        pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
+                    continue
+                pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
+                if yields:
+                    assert pipe.last_stats["update_start_s"][0] > unpinned["at"], "the update began before the unpin"
+                results[yields] = [store.wait(store.bring(f"u{i}.master", Tier.HOST)).clone() for i in range(2)]
+            finally:
+                if thread is not None:
+                    thread.join()
+    for a, b in zip(results[True], results[None]):
+        assert torch.equal(a, b)
+
+
+def test_wait_for_pins_returns_once_the_picked_owners_unpin(tmp_path):
+    with _store(tmp_path, 4096 * 1024) as store:
+        assert store.wait_for_pins(Tier.HOST, lambda o: True) is False   # nothing pinned: no wait
+        thread, unpinned = _fold_pinned_beside(store, 0.2)
+        store.wait(store.bring("x.grad", Tier.HOST, pin=True, owner="other"))
+        assert store.wait_for_pins(Tier.HOST, lambda o: o == "nobody") is False
+        t0 = time.perf_counter()
+        assert store.wait_for_pins(Tier.HOST, lambda o: o[0] == "fold") is True
+        assert "at" in unpinned and time.perf_counter() - t0 >= 0.15
+        # "other" still holds its pin; a stopped wait returns without it going
+        assert store.wait_for_pins(Tier.HOST, lambda o: o == "other", stopped=lambda: True) is True
+        thread.join()
+        store.unpin("x.grad", Tier.HOST, "other")
