@@ -16,6 +16,16 @@ sequence 256, micro-batch 2, bf16 compute):
   small-1g     host_bytes 1GiB, device_bytes 1GiB (on CPU the device tier is RAM too)
   small-4g     host_bytes 4GiB, device_bytes 1GiB
   small-s3-w2  stage 3 in memory (nothing offloaded), world size 2, device_bytes 4GiB per rank
+  medium-1g    GPT-2 medium (24 x 1024), host_bytes 1GiB, device_bytes 2GiB
+  1b-2g        GPT-2 1.3B (24 x 2048), host_bytes 2GiB, device_bytes 3.5GiB
+  2.7b-3g      GPT-2 2.7B (32 x 2560, tools/bench_scale.py's scale workload), host_bytes 3GiB,
+               device_bytes 4.5GiB: ~42 GB of state in the swap directory (check its free space first)
+(A plan's device_bytes is all the device memory the engine may use: the tier plus what it holds outside
+the store, activations and gathered units, which is ~1.9 / 3.3 / 3.9 GiB at least for medium / 1b / 2.7b at
+these shapes; on CPU the device is RAM. A workload the planner refuses is reported with its reason.)
+  pretrained-1g  a local transformers model directory (``hf:DIR``: config.json + safetensors, loaded
+               unit by unit): GPT-2 small's shape, written once under the swap directory with GPT-2's init
+               (no download: this machine reaches no model hub), host_bytes 1GiB, device_bytes 1GiB
 The machine may be shared: the load average is printed beside each measurement.
 """
 
@@ -42,7 +52,27 @@ WORKLOADS = {
     "small-s3-w2": {"model": GPT2_SMALL, "host": 1 * GIB, "device": 4 * GIB, "world": 2,
                     "fixed": {"zero.stage": 3, "offload.params": "none", "offload.grads": "none",
                               "offload.optimizer": "none"}},
+    "medium-1g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=24,n_embd=1024,n_head=16"),
+                  "host": 1 * GIB, "device": 2 * GIB, "world": 1},
+    "1b-2g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=24,n_embd=2048,n_head=16"),
+              "host": 2 * GIB, "device": 7 * GIB // 2, "world": 1},
+    "2.7b-3g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=32,n_embd=2560,n_head=32"),
+                "host": 3 * GIB, "device": 9 * GIB // 2, "world": 1},
+    "pretrained-1g": {"model": "pretrained", "host": 1 * GIB, "device": 1 * GIB, "world": 1},
 }
+
+
+def _pretrained_dir(root: str) -> str:
+    """A local transformers model directory of GPT-2 small's shape (written once under ``root``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = os.path.join(root, "gpt2-small-local")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import torch
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_layer=12, n_embd=768, n_head=12,
+                                   n_positions=1024)).save_pretrained(path, safe_serialization=True)
+    return "hf:" + path
 SEQ, MBS = 256, 2
 
 
@@ -162,9 +192,13 @@ def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
             continue
         later = steps[1:] or steps
         step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
-        rows.append({"config": path, "step_s": step, "load": [round(s["load"], 2) for s in steps]})
+        peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
+        # a config without offload ignores the tiers' budgets: its RSS says whether it kept to the grant
+        rows.append({"config": path, "step_s": step, "peak_rss_bytes": max(peaks) if peaks else None,
+                     "load": [round(s["load"], 2) for s in steps]})
         if not a.json:
-            print(f"   sweep {os.path.basename(path):28s} {step:7.2f} s  (load {rows[-1]['load']})")
+            rss = f"peak RSS {max(peaks) / GIB:5.2f} GiB" if peaks else "peak RSS n/a"
+            print(f"   sweep {os.path.basename(path):28s} {step:7.2f} s  {rss}  (load {rows[-1]['load']})")
     for r in rows:
         r["vs_planned"] = r["step_s"] / rows[0]["step_s"] if r["step_s"] else None
     return rows
@@ -194,11 +228,19 @@ def main() -> None:
     results = []
     try:
         for name in a.workloads.split(","):
-            w = WORKLOADS[name]
+            w = dict(WORKLOADS[name])
+            if w["model"] == "pretrained":
+                w["model"] = _pretrained_dir(swap_root)
             swap = os.path.join(swap_root, name)
             os.makedirs(swap, exist_ok=True)
             cfg_path = os.path.join(swap_root, f"{name}.yaml")
-            plan = _plan(w, a.profile, swap, cfg_path)
+            try:
+                plan = _plan(w, a.profile, swap, cfg_path)
+            except RuntimeError as e:   # refused (below the minimum) or failed: said, and the next one runs
+                results.append({"workload": name, "refused": str(e)[-600:]})
+                if not a.json:
+                    print(f"== {name}: not planned: {str(e)[-600:]}")
+                continue
             pred = plan["predicted"]
             pred_step, pred_rss = pred["step_s"], pred["peak_rss"]["total_bytes"]
             steps = _measure(cfg_path, w["model"], w["world"], a.steps)
@@ -237,13 +279,17 @@ def main() -> None:
                 for p in PHASES:
                     print(f"   {p:<9} " + "".join(
                         f"{pred['phases'][p][t]:>6.2f}/{row['measured_phases'][p][t]:<7.2f}" for t in TERMS))
+            shutil.rmtree(swap, ignore_errors=True)   # the next workload may need the disk space
+        if a.sweep:
+            results[0]["sweep"] = _sweep(a, results[0], WORKLOADS[results[0]["workload"]], swap_root)
     finally:
         if a.swap_dir is None:
             shutil.rmtree(swap_root, ignore_errors=True)
-    if a.sweep:
-        results[0]["sweep"] = _sweep(a, results[0], WORKLOADS[results[0]["workload"]], swap_root)
-    worst_step = max(results, key=lambda r: abs(r["step_error"]))
-    rss_rows = [r for r in results if r["rss_error"] is not None]
+    planned = [r for r in results if "refused" not in r]
+    if not planned:
+        raise SystemExit("bench_plan: no workload was planned")
+    worst_step = max(planned, key=lambda r: abs(r["step_error"]))
+    rss_rows = [r for r in planned if r["rss_error"] is not None]
     worst_rss = max(rss_rows, key=lambda r: abs(r["rss_error"])) if rss_rows else None
     summary = {"worst_step_error": worst_step["step_error"], "worst_step_workload": worst_step["workload"],
                "worst_rss_error": worst_rss["rss_error"] if worst_rss else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -249,8 +250,9 @@ WHOLE_MODEL_BYTES = 4 * 2**30
 def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: int, dtype: torch.dtype,
                     vocab: int, repeats: int = 1, blocks: int | None = None) -> ComputeRates:
     """Time forward and backward of the model (cut to ``blocks`` blocks, :func:`truncated_model`; default:
-    the whole model if it is within :data:`WHOLE_MODEL_BYTES`, else two blocks), best of ``repeats`` after a
-    warm-up, each block timed by hooks (:class:`_BlockClock`) and the root as the rest; also the bytes the
+    the whole model if it is within :data:`WHOLE_MODEL_BYTES`, else two blocks), the median of ``repeats``
+    after a warm-up (what a measured step's median is compared with; the best of them came out 7-33% below
+    the engine's steps in tools/bench_plan.py), each block timed by hooks (:class:`_BlockClock`) and the root as the rest; also the bytes the
     forward saves for backward, in the blocks and outside. ``loss_fn(model, input_ids, labels)`` is the
     training loss."""
     from infinity.zero.memory_report import SavedTensorMeter
@@ -267,7 +269,7 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
     mods = [m for _, m in choose_unit_modules(model)]
     params = sum(p.numel() for p in model.parameters())
     block_params = sum(p.numel() for p in mods[0].parameters())
-    best = {k: math.inf for k in ("fwd", "bwd", "block_f", "block_b")}
+    runs: dict = {k: [] for k in ("fwd", "bwd", "block_f", "block_b")}
     saved = inside = 0
     for i in range(repeats + 1):
         clock = _BlockClock(mods)
@@ -287,10 +289,12 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
         if i == 0:   # the warm-up (kernels load, the allocator grows); also where the blocks' saves are counted
             inside = _saved_inside(model, mods, loss_fn, ids, in_blocks)
             continue
-        best["fwd"], best["bwd"] = min(best["fwd"], t1 - t0), min(best["bwd"], t2 - t1)
-        best["block_f"] = min(best["block_f"], sum(clock.forward_s) / len(mods))
-        best["block_b"] = min(best["block_b"], sum(clock.backward_s) / len(mods))
+        runs["fwd"].append(t1 - t0)
+        runs["bwd"].append(t2 - t1)
+        runs["block_f"].append(sum(clock.forward_s) / len(mods))
+        runs["block_b"].append(sum(clock.backward_s) / len(mods))
     del model
+    best = {k: statistics.median(v) for k, v in runs.items()}
     block_f, block_b = best["block_f"], best["block_b"]
     root_f = max(best["fwd"] - blocks * block_f, 0.0)
     root_b = max(best["bwd"] - blocks * block_b, 0.0)

@@ -171,11 +171,13 @@ class FoldStaging:
             raise
 
         def done() -> None:
+            # the buffer goes back before cleanup unpins the brought sum: a party waiting for that pin
+            # to go (is_fold_owner) then finds the staging room free too
             try:
+                self._give_back(buf)
+            finally:
                 if cleanup is not None:
                     cleanup()
-            finally:
-                self._give_back(buf)
 
         fold = PendingFold([copy, *after], finish=lambda: finish(staged), cleanup=done)
         self._holders.append(fold)
