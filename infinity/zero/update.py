@@ -71,7 +71,6 @@ class ShardUpdate:
         self._post_gathers: collections.deque = collections.deque()
         self._owner: dict = {}   # job name -> its unit
         self._flushing = False
-        self._overlap_began = False   # an overlapped step has started the pipeline at least once
         self._store_mark: dict | None = None
         self._resident: int | None = None
 
@@ -118,7 +117,6 @@ class ShardUpdate:
         order = sorted((u for u in self.units if not u.updated), key=lambda u: (not u.is_root, u.index))
         self._begin()
         self.overlap.launched(order)
-        self._overlap_began = True   # the next forward's store operations may wait for host room it holds
         self._forward_wait_s = 0.0
         self._launched_jobs = {}
         try:
@@ -258,7 +256,6 @@ class ShardUpdate:
         for unit in units:
             if self.overlap.starts_step():
                 self._begin()
-                self._overlap_began = True
             self.overlap.submitting(unit)
             for job in self._jobs(unit, grad_scale):
                 self.pipeline.submit(job)
@@ -325,9 +322,12 @@ class ShardUpdate:
         return self.overlap is not None and not self.launches
 
     def with_room(self, attempt):
-        """A store operation on the caller's thread; during an overlapped step it may wait for host room
-        the update holds pinned (without overlap nothing else pins host copies while backward runs)."""
-        if self.overlap is None or not self._overlap_began:
+        """A store operation on the caller's thread. With overlap it may wait for host room the running
+        update holds pinned, and it writes home (spills) gradients that wait unwritten in host memory for
+        their update (``Placement.defer_grad_writes``) when only they hold the room: from the step's first
+        backward on, before any update has run (with accumulation the earlier backwards' gradients fill
+        the host tier). Without overlap nothing else pins or defers host copies while backward runs."""
+        if self.overlap is None:
             return attempt()
         return self.pipeline.wait_for_room(attempt)
 

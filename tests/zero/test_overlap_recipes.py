@@ -162,6 +162,21 @@ def test_recipes_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
                 [s["submitted_in_backward"] for s in b["stats"]]
 
 
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_accumulated_gradients_that_fill_the_host_tier_are_spilled_before_any_update(worlds, tmp_path, world_size):
+    """Backward mode, NVMe gradients, accumulation 2, a host budget at the minimum, 24 small units: the first
+    backward's gradients wait unwritten in host memory for the overlapped update (defer_grad_writes) and
+    fill the tier before the pipeline has ever run; the folds of that backward write some home (spills)
+    instead of failing for room. Bitwise the plain step. (At 2.7B this failed the first step for room.)"""
+    case = dict(name="many-nvme-grads-accum2", placement="s3-nvme", model="many", groups=False, scheduler=False,
+                offload=dict(optimizer="nvme", params="nvme", grads="nvme"), host_bytes=32 * 1024,
+                accum=2, accum_steps=2, mode="backward")
+    off, on = worlds(world_size).run(many, _pairs(tmp_path, [case]))[0]
+    _assert_same(off, on, f"world {world_size}")
+    assert on["stats"][0]["spills"] > 0, on["stats"][0]   # the first step's folds spilled, nothing had run
+    assert all(s["overlap_mode"] == "backward" and s["submitted_in_backward"] > 0 for s in on["stats"]), on["stats"]
+
+
 # ---------------------------------------------------------------- next_forward: when the update is waited for
 
 def _start(spec: dict, overlap: bool = True):
