@@ -20,12 +20,12 @@ sequence 256, micro-batch 2, bf16 compute):
   1b-2g        GPT-2 1.3B (24 x 2048), host_bytes 2GiB, device_bytes 3.5GiB
   2.7b-3g      GPT-2 2.7B (32 x 2560, tools/bench_scale.py's scale workload), host_bytes 3GiB,
                device_bytes 4.5GiB: ~42 GB of state in the swap directory (check its free space first)
-(A plan's device_bytes is all the device memory the engine may use: the tier plus what it holds outside
-the store, activations and gathered units, which is ~1.9 / 3.3 / 3.9 GiB at least for medium / 1b / 2.7b at
-these shapes; on CPU the device is RAM. A workload the planner refuses is reported with its reason.)
   pretrained-1g  a local transformers model directory (``hf:DIR``: config.json + safetensors, loaded
                unit by unit): GPT-2 small's shape, written once under the swap directory with GPT-2's init
                (no download: this machine reaches no model hub), host_bytes 1GiB, device_bytes 1GiB
+(A plan's device_bytes is all the device memory the engine may use: the tier plus what it holds outside
+the store, activations and gathered units, which is ~1.9 / 3.3 / 3.9 GiB at least for medium / 1b / 2.7b at
+these shapes; on CPU the device is RAM. A workload the planner refuses is reported with its reason.)
 The machine may be shared: the load average is printed beside each measurement.
 """
 
@@ -44,7 +44,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-GPT2_SMALL = "hf:GPT2Config:vocab_size=50257,n_layer=12,n_embd=768,n_head=12,n_positions=1024"
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int) -> str:
+    """A transformers GPT-2 of that shape, built from its config (``--model`` syntax)."""
+    return f"hf:GPT2Config:vocab_size=50257,n_layer={n_layer},n_embd={n_embd},n_head={n_head},n_positions=1024"
+
+
+GPT2_SMALL = _gpt2(12, 768, 12)
 GIB = 2**30
 WORKLOADS = {
     "small-1g": {"model": GPT2_SMALL, "host": 1 * GIB, "device": 1 * GIB, "world": 1},
@@ -52,14 +58,12 @@ WORKLOADS = {
     "small-s3-w2": {"model": GPT2_SMALL, "host": 1 * GIB, "device": 4 * GIB, "world": 2,
                     "fixed": {"zero.stage": 3, "offload.params": "none", "offload.grads": "none",
                               "offload.optimizer": "none"}},
-    "medium-1g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=24,n_embd=1024,n_head=16"),
-                  "host": 1 * GIB, "device": 2 * GIB, "world": 1},
-    "1b-2g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=24,n_embd=2048,n_head=16"),
-              "host": 2 * GIB, "device": 7 * GIB // 2, "world": 1},
-    "2.7b-3g": {"model": GPT2_SMALL.replace("n_layer=12,n_embd=768,n_head=12", "n_layer=32,n_embd=2560,n_head=32"),
-                "host": 3 * GIB, "device": 9 * GIB // 2, "world": 1},
+    "medium-1g": {"model": _gpt2(24, 1024, 16), "host": 1 * GIB, "device": 2 * GIB, "world": 1},
+    "1b-2g": {"model": _gpt2(24, 2048, 16), "host": 2 * GIB, "device": 7 * GIB // 2, "world": 1},
+    "2.7b-3g": {"model": _gpt2(32, 2560, 32), "host": 3 * GIB, "device": 9 * GIB // 2, "world": 1},
     "pretrained-1g": {"model": "pretrained", "host": 1 * GIB, "device": 1 * GIB, "world": 1},
 }
+SEQ, MBS = 256, 2
 
 
 def _pretrained_dir(root: str) -> str:
@@ -73,7 +77,6 @@ def _pretrained_dir(root: str) -> str:
         GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_layer=12, n_embd=768, n_head=12,
                                    n_positions=1024)).save_pretrained(path, safe_serialization=True)
     return "hf:" + path
-SEQ, MBS = 256, 2
 
 
 def _gpt2_init(module) -> None:
@@ -166,7 +169,7 @@ def _plan(w: dict, profile: str, swap_dir: str, cfg_path: str) -> dict:
 
 
 def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
-    """The planned config of the first workload and each --sweep config, measured back to back."""
+    """The planned config of the first planned workload and each --sweep config, measured back to back."""
     import yaml
 
     from infinity.zero.stats import PHASES
@@ -249,7 +252,7 @@ def main() -> None:
             peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
             measured_rss = max(peaks) if peaks else None
             nvme = statistics.median(sum(v for k, v in s["moved_bytes"].items() if "nvme" in k) for s in later)
-            row = {"workload": name, "chosen": plan["chosen"], "predicted_step_s": pred_step,
+            row = {"workload": name, "resolved": w, "chosen": plan["chosen"], "predicted_step_s": pred_step,
                    "measured_step_s": measured_step, "step_error": pred_step / measured_step - 1,
                    "predicted_rss_bytes": pred_rss, "measured_rss_bytes": measured_rss,
                    "rss_error": pred_rss / measured_rss - 1 if measured_rss else None,
@@ -280,8 +283,9 @@ def main() -> None:
                     print(f"   {p:<9} " + "".join(
                         f"{pred['phases'][p][t]:>6.2f}/{row['measured_phases'][p][t]:<7.2f}" for t in TERMS))
             shutil.rmtree(swap, ignore_errors=True)   # the next workload may need the disk space
-        if a.sweep:
-            results[0]["sweep"] = _sweep(a, results[0], WORKLOADS[results[0]["workload"]], swap_root)
+        first = next((r for r in results if "refused" not in r), None)
+        if a.sweep and first is not None:   # the first planned workload's config against the sweep's
+            first["sweep"] = _sweep(a, first, first["resolved"], swap_root)
     finally:
         if a.swap_dir is None:
             shutil.rmtree(swap_root, ignore_errors=True)
