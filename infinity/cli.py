@@ -343,12 +343,12 @@ def _run_plan(args) -> int:
 
     for flag, value in (("--devices", args.devices), ("--tokens", args.tokens), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
-            raise UsageError(f"infinity plan: {flag} must be >= 1, got {value}")
+            raise UsageError(f"{flag} must be >= 1, got {value}")
     fixed = {}
     for item in args.fix:
         key, eq, text = item.partition("=")
         if not eq:
-            raise UsageError(f"infinity plan: --fix {item!r}: expected SECTION.KEY=VALUE, e.g. zero.stage=3")
+            raise UsageError(f"--fix {item!r}: expected SECTION.KEY=VALUE, e.g. zero.stage=3")
         key = key.strip()
         fixed[key] = parse_size(text, f"--fix {key}") if key.endswith("bytes") else yaml.safe_load(text)
     try:
@@ -359,7 +359,7 @@ def _run_plan(args) -> int:
             swap_dir=args.swap_dir, param_dtype=args.param_dtype, seq_len=args.seq_len, fixed=fixed)
         plan = plan_model(request, args.profile, None if args.json else (lambda m: print(m, file=sys.stderr)))
     except (InfeasiblePlan, PlanInputError, TrainError) as e:
-        raise UsageError(f"infinity plan: {e}") from None
+        raise UsageError(str(e)) from None
     if args.out:
         with open(args.out, "w") as f:
             yaml.safe_dump(plan.config_dict(), f, sort_keys=False, default_flow_style=None)

@@ -251,9 +251,9 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
                     vocab: int, repeats: int = 1, blocks: int | None = None) -> ComputeRates:
     """Time forward and backward of the model (cut to ``blocks`` blocks, :func:`truncated_model`; default:
     the whole model if it is within :data:`WHOLE_MODEL_BYTES`, else two blocks), the median of ``repeats``
-    after a warm-up (what a measured step's median is compared with; the best of them came out 7-33% below
-    the engine's steps in tools/bench_plan.py), each block timed by hooks (:class:`_BlockClock`) and the root as the rest; also the bytes the
-    forward saves for backward, in the blocks and outside. ``loss_fn(model, input_ids, labels)`` is the
+    after a warm-up (a measured step's median is what it is compared with; the best of them came out 7-33%
+    below the engine's steps in tools/bench_plan.py), each block timed by hooks (:class:`_BlockClock`) and
+    the root as the rest; also the bytes the forward saves for backward, in the blocks and outside. ``loss_fn(model, input_ids, labels)`` is the
     training loss."""
     from infinity.zero.memory_report import SavedTensorMeter
 
@@ -294,10 +294,10 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
         runs["block_f"].append(sum(clock.forward_s) / len(mods))
         runs["block_b"].append(sum(clock.backward_s) / len(mods))
     del model
-    best = {k: statistics.median(v) for k, v in runs.items()}
-    block_f, block_b = best["block_f"], best["block_b"]
-    root_f = max(best["fwd"] - blocks * block_f, 0.0)
-    root_b = max(best["bwd"] - blocks * block_b, 0.0)
+    mid = {k: statistics.median(v) for k, v in runs.items()}
+    block_f, block_b = mid["block_f"], mid["block_b"]
+    root_f = max(mid["fwd"] - blocks * block_f, 0.0)
+    root_b = max(mid["bwd"] - blocks * block_b, 0.0)
     tokens = batch * seq
     total_params = params + (blocks_full - blocks) * block_params
     total_s = root_f + root_b + blocks_full * (block_f + block_b)
@@ -306,7 +306,7 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
                         blocks=blocks_full, flops_per_s=6 * total_params * tokens / max(total_s, 1e-9),
                         root_saved_bytes=max(saved - inside, 0), block_saved_bytes=inside // blocks,
                         block_input_bytes=clock.input_bytes,
-                        measured={"forward_s": best["fwd"], "backward_s": best["bwd"], "timed_blocks": blocks,
+                        measured={"forward_s": mid["fwd"], "backward_s": mid["bwd"], "timed_blocks": blocks,
                                   "saved_bytes": saved})
 
 

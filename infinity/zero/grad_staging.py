@@ -152,8 +152,8 @@ class FoldStaging:
 
     def stage(self, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
         """Copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
-        ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then ``cleanup()``, then the
-        buffer goes back. Without host room for the buffer once the folds in flight are finished, this
+        ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
+        ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
         raises BudgetError at once (the caller folds the blocking way): it never waits for room another
         party holds, as the caller's brought sum may be pinned meanwhile (see :func:`is_fold_owner`)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
