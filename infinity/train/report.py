@@ -130,6 +130,9 @@ def engine_metrics(engine, step_s: float) -> dict:
     phases split into compute / I/O waited on / Adam / communication / unattributed, per phase
     (:mod:`infinity.zero.stats`); ``outside_phases_s``: the rest of the loop's step (data, the
     loss outside the model, clipping, the LR scheduler, the loss's all-reduce).
+    ``previous_update``: with ``optimizer.overlap_mode`` next_forward, the update the previous step
+    launched and this one waited for (its ``adam_s``, ``swap_in_wait_s``, ``swap_out_wait_s`` and
+    ``update_wait_s``); a step whose own update is still running then has no ``adam_s``.
     """
     last = engine.stats.last_step
     out = {}
@@ -147,9 +150,15 @@ def engine_metrics(engine, step_s: float) -> dict:
     if "sent_bytes" in coll:
         out["sent_bytes"] = sum(coll["sent_bytes"].values())
     offload = last.get("offload") or {}
-    for key in ("io_wait_s", "adam_s", "swap_in_wait_s", "swap_out_wait_s", "peak_bytes", "host_resident_bytes"):
-        if key in offload:
+    # a launched update (optimizer.overlap_mode next_forward) runs on into the next step: its Adam and swap
+    # times are not known yet, and the line of the step that waited for it carries them (previous_update)
+    deferred = offload.get("update_deferred") and "update_wait_s" not in offload
+    update_keys = ("adam_s", "swap_in_wait_s", "swap_out_wait_s")
+    for key in ("io_wait_s", *update_keys, "peak_bytes", "host_resident_bytes"):
+        if key in offload and not (deferred and key in update_keys):
             out[key] = offload[key]
+    if "previous_update" in offload:
+        out["previous_update"] = dict(offload["previous_update"])
     if "moved_bytes" in offload:
         moved = out["moved_bytes"] = dict(offload["moved_bytes"])
         out["nvme_bytes"] = sum(v for k, v in moved.items() if "nvme" in k.split("->"))

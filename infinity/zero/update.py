@@ -63,6 +63,7 @@ class ShardUpdate:
         self.overlap = OverlappedStep(rank, overlap_mode, accum_steps) if overlap_mode != "off" else None
         self.launches = self.overlap is not None and overlap_mode == "next_forward"
         self._launched_stats: dict | None = None   # the launched step's offload stats, completed when settled
+        self._settled_update: dict | None = None   # ... and those stats once complete, for the next end_step
         self._forward_wait_s = 0.0
         self._launched_jobs: dict = {}   # next_forward: unit index -> the job names step() launched for it
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
@@ -170,12 +171,13 @@ class ShardUpdate:
         self._forward_wait_s += time.perf_counter() - t0
         self.overlap.end_launched()
         if self._launched_stats is not None:   # the launched step's stats, now that its update is done
-            self._launched_stats.update(
-                adam_s=self.last_stats.get("adam_s", 0.0),
-                swap_in_wait_s=self.last_stats.get("swap_in_wait_s", 0.0),
-                swap_out_wait_s=self.last_stats.get("swap_out_wait_s", 0.0),
-                update_wait_s=self._forward_wait_s)   # how long the caller waited for it after step()
+            done = dict(adam_s=self.last_stats.get("adam_s", 0.0),
+                        swap_in_wait_s=self.last_stats.get("swap_in_wait_s", 0.0),
+                        swap_out_wait_s=self.last_stats.get("swap_out_wait_s", 0.0),
+                        update_wait_s=self._forward_wait_s)   # how long the caller waited for it after step()
+            self._launched_stats.update(done)
             self._launched_stats = None
+            self._settled_update = done   # reported with the step that waited for it (end_step)
         self.last_stats = {}
 
     def _launch_failed(self, error: BaseException) -> None:
@@ -243,7 +245,7 @@ class ShardUpdate:
         if self.overlap is not None:
             self.overlap.end_launched()
             self.overlap.abort()
-        self._launched_stats = None
+        self._launched_stats = self._settled_update = None
 
     # ------------------------------------------------------------ optimizer.overlap_backward
 
@@ -363,6 +365,9 @@ class ShardUpdate:
         }
         if self.overlap is not None:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
+            if self._settled_update is not None:   # the previous step's launched update, waited for in this one
+                last_step["offload"]["previous_update"] = self._settled_update
+                self._settled_update = None
             if self.pending:   # its times are filled in when the next forward (or a save) has waited for it
                 last_step["offload"]["update_deferred"] = True
                 self._launched_stats = last_step["offload"]

@@ -32,6 +32,7 @@ import offload_cases
 import zero_cases
 from failure_cases import wait_store_idle
 from zero_cases import global_batch, param_groups
+from infinity.train.report import engine_metrics
 
 SMALL = dict(host_bytes=(192 + 124 + 64) * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024)
 PLACEMENTS = {
@@ -224,8 +225,13 @@ def test_the_next_forward_waits_for_each_unit_just_before_it_runs(tmp_path, plac
                      [engine.update.overlap.waiting(u.index) for u in blocks])))
         launched = engine.stats.last_step["offload"]
         assert launched["update_deferred"] and "update_wait_s" not in launched
+        line = engine_metrics(engine, 1.0)   # the --metrics line of the launched step: its Adam time is unknown
+        assert "adam_s" not in line and "swap_in_wait_s" not in line and "previous_update" not in line, line
         _step(model, opt, 1)
         assert launched["update_wait_s"] >= 0 and launched["adam_s"] > 0
+        line = engine_metrics(engine, 1.0)   # the next step's line carries the update it waited for
+        assert line["previous_update"] == {k: launched[k] for k in
+                                           ("adam_s", "swap_in_wait_s", "swap_out_wait_s", "update_wait_s")}
     finally:
         engine.close()
     first = seen[:len(blocks)]   # the forward right after the launched step
