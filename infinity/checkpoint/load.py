@@ -120,7 +120,8 @@ def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
         t = shard.get(TensorClass(name))
         # a split master is read as the fp32 master it stands for, then split below
         fp32 = split and name == TensorClass.MASTER.value
-        # saved states are fp32: one kept narrower (bf16 moments) is read wide, then rounded by the copy
+        # read as fp32 (bf16-saved moments widened exactly); one kept bf16 is then rounded by the copy (exact
+        # for a bf16-saved one)
         staging = t if t.device.type == "cpu" and not fp32 and t.dtype == torch.float32 else \
             torch.empty(t.numel(), dtype=torch.float32)  # CUDA-only staging, the fp32 master or a wide moment
         with torch.no_grad():

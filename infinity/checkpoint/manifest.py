@@ -37,7 +37,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "SHARD_TENSORS", "Checkpoint", "unit_layo
            "write_json", "resolve_checkpoint_dir", "step_dir_name", "STEP_DIR_RE"]
 
 FORMAT = "infinity-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: a unit file's moments may be bf16 (optimizer.moments: bf16, saved as stored)
+READS_VERSIONS = (1, 2)   # 1: every shard tensor fp32 (what version 2 writes for fp32 moments)
 SHARD_TENSORS = ("master", "exp_avg", "exp_avg_sq")   # TensorClass values saved per unit shard
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 _MAX_JSON_BYTES = 256 * 2**20
@@ -125,9 +126,9 @@ class Checkpoint:
         m = self.manifest
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: not an {FORMAT} manifest")
-        if m.get("format_version") != FORMAT_VERSION:
+        if m.get("format_version") not in READS_VERSIONS:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: format version {m.get('format_version')!r}, "
-                                  f"this version of infinity reads {FORMAT_VERSION}")
+                                  f"this version of infinity reads {' and '.join(map(str, READS_VERSIONS))}")
         for key in ("world_size", "stage", "shard_world", "units", "ranks", "optimizer", "state_dict_keys"):
             if key not in m:
                 raise CheckpointError(f"{self.dir / 'manifest.json'}: missing key {key!r}")

@@ -25,11 +25,12 @@ import torch
 
 from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SHARD_TENSORS, STEP_DIR_RE, rank_dir,
                                           step_dir_name, unit_file, unit_layout, write_json)
-from infinity.checkpoint.tensor_file import CheckpointError, TensorFileWriter, fsync_dir
+from infinity.checkpoint.tensor_file import DTYPE_CODES, CheckpointError, TensorFileWriter, fsync_dir
 from infinity.checkpoint.tp_layout import tp_manifest
 from infinity.io.new_files import replaced
 from infinity.optim.split_master import join_bf16_
 from infinity.checkpoint.train_state import capture_optimizer, capture_rng, capture_scaler
+from infinity.zero.placement import MOMENT_DTYPES
 from infinity.zero.units import TensorClass
 
 __all__ = ["save_checkpoint", "engine_for"]
@@ -157,7 +158,7 @@ def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
     if engine.shard_rank == engine.rank:
         for unit in engine.units:
             rel = unit_file(rank, unit.index)
-            files[rel] = _write_unit(tmp / rel, unit, rank, engine.placement.split_master)
+            files[rel] = _write_unit(tmp / rel, unit, rank, engine.placement)
     rel = f"{rank_dir(rank)}/state.json"
     files[rel] = write_json(tmp / rel, {"rank": rank, "rng": capture_rng()})
     if rank == 0:
@@ -173,27 +174,37 @@ def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
     return dict(entry, index=rel)
 
 
-def _write_unit(path: Path, unit, rank: int, split_master: bool = False) -> dict:
-    """One unit shard's fp32 states, read through UnitShard.read one class at a time (stored: no write-back).
+def _write_unit(path: Path, unit, rank: int, placement) -> dict:
+    """One unit shard's states, read through UnitShard.read one class at a time (stored: no write-back).
 
     A split master (``optimizer.master: remainder``) is saved as the fp32 master it is, joined from the
     parameter and the remainder: the same bytes as the two, and a checkpoint any master format loads.
-    bf16 moments are saved as their fp32 values (exact), loadable in any moment format."""
-    specs = [(name, torch.float32, (unit.shard_numel,)) for name in SHARD_TENSORS]
+    The moments are saved in the dtype they are stored in (bf16 with ``optimizer.moments: bf16``: half
+    the bytes); loading widens them exactly, and rounds them for a run that keeps bf16 moments."""
+    specs = [(name, saved_dtype(placement, name), (unit.shard_numel,)) for name in SHARD_TENSORS]
     writer = TensorFileWriter(path, specs, {"unit": unit.name, "rank": rank})
     try:
         for name in SHARD_TENSORS:
             t = unit.shard.read(TensorClass(name))
-            if split_master and name == TensorClass.MASTER.value:
+            if placement.split_master and name == TensorClass.MASTER.value:
                 param = unit.shard.read(TensorClass.PARAM).cpu()   # CUDA-only: the shard's host copy
                 t = join_bf16_(param, t.cpu(), torch.empty(t.numel(), dtype=torch.float32))
-            chunk = _WRITE_CHUNK_BYTES // 4   # elements, written as fp32
+            dtype = specs[SHARD_TENSORS.index(name)][1]
+            chunk = _WRITE_CHUNK_BYTES // 4   # elements
             for lo in range(0, t.numel(), chunk):
-                writer.write(t[lo:lo + chunk].float())   # bf16 moments (optimizer.moments) saved as their fp32 values
+                writer.write(t[lo:lo + chunk].to(dtype))
     except BaseException:
         writer.abort()
         raise
     return writer.close()
+
+
+def saved_dtype(placement, name: str) -> torch.dtype:
+    """The dtype shard tensor ``name`` is saved in: the master fp32 (a split one joined), each moment as
+    the placement stores it (``optimizer.moments``)."""
+    if name == TensorClass.MASTER.value:
+        return torch.float32
+    return MOMENT_DTYPES[placement.moments_format]
 
 
 def extra_state_names(engine, model) -> list:
@@ -226,8 +237,9 @@ def _manifest(engine, model, optimizer, step: int, rank_entries: list) -> dict:
         "config": engine.config.to_dict(),
         "model_class": type(model).__name__,
         "units": unit_layout(engine.units, model),
-        "shard_tensors": list(SHARD_TENSORS), "shard_tensor_dtype": "F32",
-        # how the run kept its states (optimizer.master / moments); the files hold their fp32 values
+        "shard_tensors": list(SHARD_TENSORS),
+        "shard_tensor_dtypes": {name: DTYPE_CODES[saved_dtype(engine.placement, name)] for name in SHARD_TENSORS},
+        # how the run kept its states (optimizer.master / moments); the master is saved as fp32 values
         "state_formats": {"master": engine.config.optimizer.master, "moments": engine.config.optimizer.moments},
         "state_dict_keys": list(model.state_dict(keep_vars=True)),
         "extras": extra_state_names(engine, model),

@@ -31,9 +31,17 @@ class ShardReader:
 
     def read(self, unit_index: int, name: str, lo: int, hi: int, out: torch.Tensor, tp_rank: int = 0) -> None:
         """Unpadded elements [lo, hi) of saved tensor ``name`` of (saved tensor-parallel rank ``tp_rank``'s)
-        unit ``unit_index`` into fp32 CPU ``out``."""
+        unit ``unit_index`` into fp32 CPU ``out``; moments saved bf16 (``optimizer.moments: bf16``) are
+        widened, exactly."""
         for r, rel, a, b, at in self.ckpt.unit_sources(unit_index, lo, hi, tp_rank):
-            self._reader(rel, r).read_into(name, a, b, out[at:at + b - a])
+            reader = self._reader(rel, r)
+            saved = reader.entry(name)[0]
+            if saved == out.dtype:
+                reader.read_into(name, a, b, out[at:at + b - a])
+            else:
+                narrow = torch.empty(b - a, dtype=saved)
+                reader.read_into(name, a, b, narrow)
+                out[at:at + b - a].copy_(narrow)
 
     def _reader(self, rel: str, rank: int) -> TensorFileReader:
         if rel not in self._open:

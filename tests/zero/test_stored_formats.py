@@ -10,11 +10,14 @@ exactly, in each format.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 import format_cases
+from infinity.checkpoint.manifest import Checkpoint, unit_file
+from infinity.checkpoint.tensor_file import TensorFileReader
 
 BASE = dict(model="hf_gpt2", steps=3, batch=8, lr=1e-2, groups=True, dtype="bf16")
 # HF GPT-2 test model (2 blocks, 32 wide): 34816 shard elements at world size 1. The host budget holds one
@@ -129,17 +132,33 @@ def test_a_checkpoint_saved_in_one_master_format_resumes_bitwise_in_the_other(wo
 
 
 def test_a_checkpoint_converts_between_moment_formats(worlds, tmp_path):
-    """Moments are saved as their fp32 values: loaded as bf16 they are those values rounded to nearest;
-    bf16 moments loaded as fp32 are exactly what the bf16 run held; training goes on from either."""
+    """Moments are saved in the dtype they are stored in (the manifest and each unit file say which):
+    fp32 ones loaded as bf16 are their values rounded to nearest; bf16 ones loaded as fp32 are exactly
+    what the bf16 run held, and loaded as bf16 they are bitwise what it held; training goes on from each."""
     case = dict(BASE, stage=2, offload=dict(optimizer="nvme", grads="host"), steps=3, save_at=2, **SMALL)
+    pairs = (("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16"))
     specs = [dict(case, optimizer={"moments": a}, load_optimizer={"moments": b}, tmp=str(tmp_path / f"{a}-{b}"))
-             for a, b in (("fp32", "bf16"), ("bf16", "fp32"))]
-    to_bf16, to_fp32 = worlds(2).run(format_cases.many_resumed, specs)[0]
+             for a, b in pairs]
+    to_bf16, to_fp32, same = worlds(2).run(format_cases.many_resumed, specs)[0]
     for saved, loaded in zip(to_bf16["saved_moments"], to_bf16["loaded_moments"]):
         assert saved.dtype == torch.float32 and loaded.dtype == torch.bfloat16
         assert torch.equal(loaded, saved.to(torch.bfloat16))
     for saved, loaded in zip(to_fp32["saved_moments"], to_fp32["loaded_moments"]):
         assert saved.dtype == torch.bfloat16 and loaded.dtype == torch.float32
         assert torch.equal(loaded, saved.float())
-    for got in (to_bf16, to_fp32):
+    for saved, loaded in zip(same["saved_moments"], same["loaded_moments"]):
+        assert saved.dtype == loaded.dtype == torch.bfloat16 and torch.equal(loaded, saved)
+    for got in (to_bf16, to_fp32, same):
         assert len(got["losses"]) == 3 and all(math.isfinite(x) for x in got["losses"])
+    for (saved_as, _), spec in zip(pairs, specs):   # what is on disk: the stored dtype, half the bytes for bf16
+        ckpt = Checkpoint(os.path.join(spec["tmp"], "ckpt"))
+        code = {"fp32": "F32", "bf16": "BF16"}[saved_as]
+        assert ckpt.manifest["shard_tensor_dtypes"] == {"master": "F32", "exp_avg": code, "exp_avg_sq": code}
+        for r in range(2):
+            for i in range(len(ckpt.units)):
+                with TensorFileReader(ckpt.path(unit_file(r, i), r), "unit file") as f:
+                    dtypes = {n: f.entry(n)[0] for n in ("master", "exp_avg", "exp_avg_sq")}
+                    numel = int(ckpt.units[i]["shard_numel"])
+                    wide = torch.float32 if saved_as == "fp32" else torch.bfloat16
+                    assert dtypes == {"master": torch.float32, "exp_avg": wide, "exp_avg_sq": wide}
+                    assert all(list(f.entry(n)[1]) == [numel] for n in dtypes)
