@@ -320,6 +320,10 @@ class IOConfig:
     queue_depth: int = _f(8, _int(1), "pieces in flight at once per engine")
     threads: int = _f(4, _int(1), "worker threads issuing pread/pwrite (they block in the syscall, so more than cores is fine)")
     direct: Any = _f("auto", _bool_or_auto, "O_DIRECT: auto = probe the file system, fall back to buffered")
+    phase_bytes: int = _f(0, _size, "0: reads and writes go to the disk mixed, in submission order; > 0: "
+                          "in phases, one kind at a time, switching once this many bytes of it were served while "
+                          "the other kind waits (or none of it is left): for disks where reads and writes slow "
+                          "each other down")
     checksum: bool = _f(True, _bool, "checksum each stored extent, verified on read")
 
 

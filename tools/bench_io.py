@@ -13,12 +13,22 @@ Measures, on one directory (default: a fresh temp dir under /work):
   block_bytes chunks; null when aiofiles is not installed.
 Reads are cold: page cache dropped (as root) before each read pass; "cold_cache" says if not.
 With --runs N every figure is the median over N runs (all values under "runs").
+
+With ``--mixed 0,64MiB,...`` each run also times reads and writes at once, as the optimizer step
+moves them (read tensor i while writing a new one, at most ``--window`` of each kind in flight, the
+pipeline's lookahead), once per ``io.phase_bytes`` listed (0: today's mixed queue; > 0: phased):
+``mixed_gbps[phase]`` is bytes read + written over the wall time, beside two bounds from the
+same run's engine alone rates: ``phased_bound_gbps`` (the reads alone, then the writes alone) and
+the ratio of each to the mixed queue (``phased_speedup[phase]``: > 1 means phases are faster).
+
+    python tools/bench_io.py --bytes 2GiB --mixed 0,64MiB,256MiB,1GiB --runs 3 --json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -126,6 +136,35 @@ def engine_pass(directory: str, total_bytes: int, tensor_bytes: int, io: IOConfi
         return write_gbps, read_gbps, engine.stats()
 
 
+def mixed_pass(directory: str, total_bytes: int, tensor_bytes: int, io: IOConfig, window: int,
+               src: torch.Tensor, dsts: list, cold: list) -> tuple[float, dict]:
+    """(GB/s read + written, engine stats): total_bytes written first, then read back tensor by tensor
+    while as many new bytes are written, read i and write i submitted together, at most ``window``
+    pairs in flight (``io.phase_bytes`` decides how the engine orders them)."""
+    keys = total_bytes // tensor_bytes
+    with IOEngine(io) as engine, ExtentFile(directory, engine, direct=io.direct, checksum=True,
+                                            initial_bytes=2 * total_bytes) as f:
+        for fut in [f.write(f"t{i}", src) for i in range(keys)]:
+            fut.result()
+        f.flush()
+        cold.append(drop_caches())
+        t0 = time.perf_counter()
+        pending = []
+        for i in range(keys):
+            if len(pending) == window:
+                for fut in pending.pop(0):
+                    fut.result()
+            pending.append((f.read(f"t{i}", dsts[i]), f.write(f"n{i}", src)))
+        for pair in pending:
+            for fut in pair:
+                fut.result()
+        f.flush()
+        gbps = 2 * keys * tensor_bytes / (time.perf_counter() - t0) / 1e9
+        if not torch.equal(dsts[0], src) or not torch.equal(dsts[-1], src):
+            raise AssertionError("bench read back different bytes than it wrote")
+        return gbps, engine.stats()
+
+
 def aiofiles_read(path: str, total_bytes: int, block_bytes: int) -> float | None:
     if aiofiles is None:
         return None
@@ -184,6 +223,13 @@ def one_run(directory: str, args, io: IOConfig, src, dsts) -> dict:
     w, r, _ = engine_pass(directory, total, args.tensor_bytes, io, False, src, dsts, cold)
     out.update(write_nocrc_gbps=w, read_nocrc_gbps=r)
     out["crc32_gbps"] = crc_gbps(src)
+    for phase in args.mixed:
+        mixed_io = dataclasses.replace(io, phase_bytes=phase)
+        gbps, stats = mixed_pass(directory, total, args.tensor_bytes, mixed_io, args.window, src, dsts, cold)
+        out[f"mixed_gbps_{phase}"] = gbps
+        out[f"phase_switches_{phase}"] = stats["phase_switches"]
+    if args.mixed:   # the reads alone, then the writes alone, at this run's engine rates
+        out["phased_bound_gbps"] = 2 / (1 / out["read_gbps"] + 1 / out["write_gbps"])
     out["cold_cache"] = all(cold)
     return out
 
@@ -199,7 +245,13 @@ def main(argv=None) -> int:
     p.add_argument("--direct", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--runs", type=int, default=1, help="repeat and report medians")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--mixed", default="", help="comma-separated io.phase_bytes values (0 = mixed queue) to time "
+                   "reads and writes at once with (see the module doc); default: not timed")
+    p.add_argument("--window", type=int, default=2, help="read+write pairs in flight in the --mixed passes")
     args = p.parse_args(argv)
+    args.mixed = [parse_size(v.strip(), "--mixed") for v in args.mixed.split(",") if v.strip()]
+    if args.mixed and 0 not in args.mixed:
+        args.mixed.insert(0, 0)   # the mixed queue is the baseline every phased pass is held against
 
     defaults = IOConfig()
     block = parse_size(args.block_bytes, "--block-bytes") if args.block_bytes else defaults.block_bytes
@@ -247,6 +299,8 @@ def main(argv=None) -> int:
     result["write_ratio_vs_threads"] = result["write_gbps"] / result["raw_write_gbps_threads"]
     result["checksum_cost_read"] = 1 - result["read_gbps"] / result["read_nocrc_gbps"]
     result["checksum_cost_write"] = 1 - result["write_gbps"] / result["write_nocrc_gbps"]
+    for phase in args.mixed:
+        result[f"phased_speedup_{phase}"] = result[f"mixed_gbps_{phase}"] / result["mixed_gbps_0"]
     result["runs"] = runs
     if args.json:
         print(json.dumps(result, indent=None))

@@ -7,6 +7,15 @@ of one request go to the disk in parallel), looping over short transfers. A
 semaphore caps pieces inside a system call at ``queue_depth``; since a worker
 blocks in its call, the depth the disk sees is ``min(threads, queue_depth)``.
 
+Phases (``io.phase_bytes`` > 0): reads and writes wait in two queues and the
+workers serve one kind at a time - each queue in submission order - switching to
+the other kind once ``phase_bytes`` of this one were taken while the other waited,
+or when none of this one is left. On a disk where reads and writes at once slow
+each other down (measured here: 1.21 GB/s read and 2.10 GB/s written alone, 0.91 +
+0.63 at once) the disk then mostly reads alone or writes alone. A switch does not
+wait for the other kind's pieces still in a system call (at most ``threads``).
+With 0, one queue in submission order: reads and writes mixed as they come.
+
 In direct mode (the fd was opened with O_DIRECT) a piece whose memory address or
 length is not 4096-aligned goes through the worker's own aligned staging block
 (a copy, padded with zeros to 4096 on write); aligned pieces go straight from the
@@ -20,10 +29,10 @@ so the caller's tensor is never touched after its future is done.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import enum
 import errno as errno_codes
-import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -102,7 +111,7 @@ class IOEngine:
         self.block_bytes = config.block_bytes
         self.syscalls = syscalls if syscalls is not None else Syscalls()
         self._state = _EngineState.RUNNING
-        self._pieces: queue.SimpleQueue = queue.SimpleQueue()  # (request, piece index) or None = stop
+        self._queue = _PieceQueue(config.phase_bytes, config.block_bytes)
         self._depth = threading.BoundedSemaphore(config.queue_depth)
         self._local = threading.local()  # per-worker staging block
         self._stats_lock = threading.Lock()
@@ -141,15 +150,14 @@ class IOEngine:
             req.future.set_result(0 if checksum else None)  # CRC-32C of no bytes is 0
             return req.future
         self._begin_busy()
-        for index in range(pieces):
-            self._pieces.put((req, index))
+        self._queue.put(req, pieces)
         return req.future
 
     # ------------------------------------------------------------ workers
 
     def _work(self) -> None:
         while True:
-            item = self._pieces.get()
+            item = self._queue.get()
             if item is None:
                 return
             req, index = item
@@ -285,7 +293,8 @@ class IOEngine:
             if self._inflight:
                 out["busy_s"] += time.perf_counter() - self._busy_since
         out.update(block_bytes=self.block_bytes, threads=self.config.threads,
-                   queue_depth=self.config.queue_depth, state=self._state.value)
+                   queue_depth=self.config.queue_depth, state=self._state.value,
+                   phase_bytes=self.config.phase_bytes, phase_switches=self._queue.switches)
         return out
 
     # ------------------------------------------------------------ lifecycle
@@ -295,8 +304,7 @@ class IOEngine:
         if self._state is _EngineState.CLOSED:
             return
         self._state = _ENGINE_MOVES.check(self._state, _EngineState.CLOSED, "IOEngine")
-        for _ in self._workers:
-            self._pieces.put(None)  # after every queued piece: FIFO, so pending work completes first
+        self._queue.stop()   # the workers finish every queued piece first, then return
         for w in self._workers:
             w.join()
 
@@ -305,3 +313,65 @@ class IOEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PieceQueue:
+    """The pieces waiting for a worker: one queue in submission order (``phase_bytes`` 0), or one per
+    kind served in phases (the module doc). :meth:`get` blocks; it returns None once :meth:`stop` was
+    called and nothing is left."""
+
+    def __init__(self, phase_bytes: int, block_bytes: int):
+        self.phase_bytes = phase_bytes
+        self.block_bytes = block_bytes
+        self.switches = 0   # phase changes with the other kind waiting (the phases the disk saw, less one)
+        self._cond = threading.Condition()
+        # mixed: every piece in the READ queue; phased: by kind. Entries: (request, first piece, end piece)
+        self._queues = {IOOp.READ: collections.deque(), IOOp.WRITE: collections.deque()}
+        self._phase = IOOp.READ
+        self._served = 0   # bytes taken in this phase
+        self._stopping = False
+
+    def put(self, req, pieces: int) -> None:
+        with self._cond:
+            kind = req.op if self.phase_bytes else IOOp.READ
+            self._queues[kind].append([req, 0, pieces])
+            self._cond.notify(pieces)
+
+    def get(self):
+        with self._cond:
+            while True:
+                kind = self._pick()
+                if kind is not None:
+                    return self._take(kind)
+                if self._stopping:
+                    return None
+                self._cond.wait()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _pick(self):
+        here, other = self._queues[self._phase], self._queues[_OTHER[self._phase]]
+        if not here and not other:
+            return None
+        if here and (not other or not self.phase_bytes or self._served < self.phase_bytes):
+            return self._phase
+        if other and here:
+            self.switches += 1   # the phase is spent and the other kind has waited
+        self._phase, self._served = _OTHER[self._phase], 0
+        return self._phase
+
+    def _take(self, kind):
+        entry = self._queues[kind][0]
+        req, index = entry[0], entry[1]
+        entry[1] += 1
+        if entry[1] == entry[2]:
+            self._queues[kind].popleft()
+        self._served += min(self.block_bytes, req.nbytes - index * self.block_bytes)
+        return req, index
+
+
+_OTHER = {IOOp.READ: IOOp.WRITE, IOOp.WRITE: IOOp.READ}
+

@@ -567,3 +567,86 @@ def test_a_truncated_swap_file_is_not_blamed_on_the_device(tmp_path):
     msg = str(info.value)
     assert "unexpected end of file" in msg and "shorter than what this run wrote" in msg
     assert "dmesg" not in msg and "\n" not in msg
+
+
+class _OrderSyscalls(Syscalls):
+    """Records the kind of every piece moved; the first call says it has begun (``entered``) and waits for
+    ``gate``, so that everything a test submits next is queued before the (single) worker takes more."""
+
+    def __init__(self, gate: threading.Event):
+        super().__init__()
+        self.gate, self.entered, self.kinds = gate, threading.Event(), []
+
+    def _held(self, kind):
+        if not self.kinds:
+            self.entered.set()
+            self.gate.wait(30)
+        self.kinds.append(kind)
+
+    def preadv(self, fd, buf, offset):
+        self._held("r")
+        return super().preadv(fd, buf, offset)
+
+    def pwritev(self, fd, buf, offset):
+        self._held("w")
+        return super().pwritev(fd, buf, offset)
+
+
+def _runs(kinds: list) -> list:
+    """["r", "r", "w"] -> [("r", 2), ("w", 1)]"""
+    out = []
+    for k in kinds:
+        if out and out[-1][0] == k:
+            out[-1] = (k, out[-1][1] + 1)
+        else:
+            out.append((k, 1))
+    return out
+
+
+@pytest.mark.parametrize("phase_pieces", [0, 3, 100])
+def test_phased_io_serves_one_kind_at_a_time(tmp_path, phase_pieces):
+    """Reads and writes submitted alternately (4 pieces each; the worker holds the first read's first
+    piece until all are queued): with phase_bytes 0 the disk sees them in submission order; with
+    phase_bytes = 3 pieces each phase takes 3 pieces of one kind (a request's tail, then the next
+    request's head) before the other kind, waiting, gets its turn; with phases longer than the queue,
+    all of the first kind, then all of the other. Every byte still lands right."""
+    gate = threading.Event()
+    sys_ = _OrderSyscalls(gate)
+    piece = BLOCK // 4   # fp32 elements per piece
+    with IOEngine(IOConfig(block_bytes=BLOCK, threads=1, phase_bytes=phase_pieces * BLOCK), syscalls=sys_) as eng, \
+            ExtentFile(tmp_path, eng, direct=False) as f:
+        stored = {f"s{i}": torch.randn(4 * piece) for i in range(4)}
+        for k, t in stored.items():
+            gate.set()
+            f.write(k, t).result()
+        sys_.kinds.clear()
+        sys_.entered.clear()
+        gate.clear()
+        fresh = {f"n{i}": torch.randn(4 * piece) for i in range(4)}
+        outs = {k: torch.empty(4 * piece) for k in stored}
+        futures = []
+        for (rk, out), (wk, t) in zip(outs.items(), fresh.items()):   # r w r w r w r w, 4 pieces each
+            futures.append(f.read(rk, out))
+            if len(futures) == 1:
+                assert sys_.entered.wait(30)   # the worker holds the first read's first piece
+            futures.append(f.write(wk, t))
+        gate.set()
+        for fut in futures:
+            fut.result()
+        for k in stored:
+            assert torch.equal(outs[k], stored[k]), k
+        for k, t in fresh.items():
+            back = torch.empty_like(t)
+            f.read(k, back).result()
+            assert torch.equal(back, t), k
+        runs = _runs(sys_.kinds[:32])
+        switches = eng.stats()["phase_switches"]
+    if phase_pieces == 0:
+        assert runs == [("r", 4), ("w", 4)] * 4 and switches == 0
+    elif phase_pieces == 3:
+        # 16 pieces of each kind in phases of 3: five full phases each, then the last read and the last
+        # write (no switch is counted when the phase's own kind has run out)
+        assert runs == [("r", 3), ("w", 3)] * 5 + [("r", 1), ("w", 1)], runs
+        assert switches == 10
+    else:
+        assert runs == [("r", 16), ("w", 16)] and switches == 0
