@@ -14,6 +14,10 @@ Prints each variant's median step time (forward + backward + step; the launched 
 in the next forward) beside ``plain``'s, the ratios, and whether the clipped variants' losses are
 bitwise equal. Times are wall clock on whatever else the machine runs: say what ran beside it.
 
+``--phase-bytes 0,64MiB`` runs every variant once per ``io.phase_bytes`` (the disk's reads and writes
+mixed, or in phases), one after another in this invocation: ``variant@BYTES`` names a phased run and
+``phased_over_mixed`` holds its median step over the same variant's mixed one.
+
     python tools/bench_overlap.py --size small --host-bytes 1GiB --json
 """
 
@@ -32,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_scale as bs  # noqa: E402  (the workload: model, init, batches)
+from infinity.config import parse_size  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -44,9 +49,12 @@ def child(a) -> dict:
     from transformers import GPT2LMHeadModel
 
     import infinity
-    overlap, clip = VARIANTS[a.variant]
+    name, _, phase = a.variant.partition("@")
+    overlap, clip = VARIANTS[name]
     conf = bs.infinity_config(a)
     conf["optimizer"]["overlap_backward"] = overlap
+    if phase:
+        conf.setdefault("io", {})["phase_bytes"] = int(phase)
     conf["schedule"] = {"clip_grad_norm": clip, "accum_steps": a.accum}
     with torch.device("meta"):
         model = GPT2LMHeadModel(bs.model_config(a)).train()
@@ -112,6 +120,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant (the median is reported)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--phase-bytes", default="0", help="comma-separated io.phase_bytes values; each variant runs "
+                   "once per value (0: the mixed queue)")
     p.add_argument("--nvme-path", default=None, help="where the swap directories go (default: the system temp)")
     p.add_argument("--timeout-s", type=float, default=3600)
     p.add_argument("--json", action="store_true")
@@ -119,9 +129,15 @@ def main(argv=None) -> int:
     a.n_layer, a.n_embd, a.n_head = bs.SIZES[a.size]
     a.seq, a.mbs, a.seed, a.threads = 256, 2, 1234, 2   # bench_scale's workload
     a.swap_dir = None
+    phases_io = [parse_size(v.strip(), "--phase-bytes") for v in a.phase_bytes.split(",") if v.strip()] or [0]
+    for v in a.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"--variants: unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     results = {}
     for variant in a.variants.split(","):
-        results[variant] = run_variant(a, variant)
+        for phase in phases_io:
+            name = variant if phase == 0 else f"{variant}@{phase}"
+            results[name] = run_variant(a, name)
     med = {v: statistics.median(r["step_s"] for r in res["rows"][a.warmup:]) for v, res in results.items()}
     phases = {v: {k: statistics.median(r[k] for r in res["rows"][a.warmup:])
                   for k in ("forward_s", "backward_s", "optimizer_s")} for v, res in results.items()}
@@ -130,6 +146,9 @@ def main(argv=None) -> int:
            "median_step_s": med, "median_phase_s": phases, "results": results}
     if "plain" in med:
         out["over_plain"] = {v: m / med["plain"] for v, m in med.items()}
+    phased = {v: m / med[v.split("@")[0]] for v, m in med.items() if "@" in v and v.split("@")[0] in med}
+    if phased:
+        out["phased_over_mixed"] = phased
     if "next_forward" in med and "backward" in med:
         out["clipped_overlap_over_unclipped_overlap"] = med["next_forward"] / med["backward"]
     if "plain" in results and "next_forward" in results:
@@ -142,7 +161,7 @@ def main(argv=None) -> int:
             ph = phases[v]
             print(f"{v:14s} {m:7.2f} s/step (fwd {ph['forward_s']:.2f} bwd {ph['backward_s']:.2f} step "
                   f"{ph['optimizer_s']:.2f})" + (f"  {out['over_plain'][v]:.2f}x plain" if "over_plain" in out else ""))
-        for k in ("clipped_overlap_over_unclipped_overlap", "clipped_losses_equal"):
+        for k in ("clipped_overlap_over_unclipped_overlap", "clipped_losses_equal", "phased_over_mixed"):
             if k in out:
                 print(f"{k}: {out[k]}")
     return 0
