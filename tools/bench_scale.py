@@ -60,9 +60,10 @@ import torch
 from infinity.config import Config, ConfigError, format_size, parse_size
 from infinity.zero.memory_report import reset_peak_rss
 
-SIZES = {  # layers, width, heads: the peers' table, and 4b = 4.07B params, the first >= 4.0B at width 2560
+SIZES = {  # layers, width, heads: the peers' table, and 4b = 4.07B params, the first >= 4.0B at width 2560;
+    # 7b = 6.65B params, Llama-2-7B's depth and width (32 x 4096) in GPT-2's blocks
     "tiny": (2, 128, 2), "small": (12, 768, 12), "medium": (24, 1024, 16), "1b": (24, 2048, 16),
-    "2.7b": (32, 2560, 32), "3.3b": (40, 2560, 32), "4b": (50, 2560, 32),
+    "2.7b": (32, 2560, 32), "3.3b": (40, 2560, 32), "4b": (50, 2560, 32), "7b": (32, 4096, 32),
 }
 PEER_SIZES = ("tiny", "small", "medium", "1b", "2.7b", "3.3b")   # what ../shared/peers/common.py knows
 VOCAB, POSITIONS, DATA_VOCAB = 50257, 1024, 1024
@@ -138,10 +139,14 @@ def infinity_config(a) -> dict:
 
 
 def disk_need(a) -> dict:
-    """Swap bytes of each system (fp32 master, m, v, bf16 params, stored gradients) and of the disk test;
-    they run one after the other, each removing its files, so the largest counts, plus the peers' 4 GiB."""
+    """Swap bytes of each system (master, m, v in their stored formats, bf16 params, stored gradients) and of
+    the disk test; they run one after the other, each removing its files, so the largest counts, plus the
+    peers' 4 GiB."""
     grad = 0 if a.conf["offload"]["grads"] != "nvme" else 2 if a.conf["precision"].get("reduce_dtype") == "bf16" else 4
-    ours = a.n_params * (12 + 2 + grad) + GIB   # the swap file grows in steps of up to 1 GiB
+    opt = a.conf["optimizer"]
+    master = 2 if opt.get("master") == "remainder" else 4   # the int16 remainder, or the fp32 master
+    moments = 2 * (2 if opt.get("moments") == "bf16" else 4)
+    ours = a.n_params * (master + moments + 2 + grad) + GIB   # the swap file grows in steps of up to 1 GiB
     peer = a.n_params * 18 if a.peer else 0      # DeepSpeed: bf16 params, fp32 master, m, v and grads
     return {"infinity_swap": ours, "deepspeed_swap": peer, "disk_test": 2 * a.disk_bytes,
             "total": max(ours, peer, 2 * a.disk_bytes) + 4 * GIB}
