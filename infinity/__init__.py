@@ -24,7 +24,8 @@ def initialize(model, config=None, params=None, **kwargs):
 
 def _plan_config(model, config):
     """The planner's config for ``model`` (rank 0 plans and logs; every rank gets rank 0's choice, so all
-    build the same engine)."""
+    build the same engine). A plan that fails on rank 0 raises there and, naming rank 0's error, on
+    every other rank: none is left waiting for a config that never comes."""
     import os
 
     import torch.distributed as dist
@@ -33,13 +34,22 @@ def _plan_config(model, config):
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    chosen = None
+    chosen, failed = None, None
     if rank == 0:
-        chosen, plan = plan_for_module(model, config, world)
-        log_plan(plan)
+        try:
+            chosen, plan = plan_for_module(model, config, world)
+            log_plan(plan)
+        except Exception as e:   # the other ranks wait in the broadcast below: they are told, then it is raised
+            if world <= 1 or not (dist.is_available() and dist.is_initialized()):
+                raise
+            failed = e
     if world > 1 and dist.is_available() and dist.is_initialized():
-        box = [chosen]
+        box = [chosen if failed is None else None, None if failed is None else f"{type(failed).__name__}: {failed}"]
         dist.broadcast_object_list(box, src=0)
+        if failed is not None:
+            raise failed
+        if box[1] is not None:
+            raise ConfigError(f"offload: auto: the planner failed on rank 0, which plans for every rank: {box[1]}")
         chosen = box[0]
     elif world > 1:
         raise ConfigError("offload: auto under a launcher needs torch.distributed initialized before "

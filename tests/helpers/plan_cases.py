@@ -38,3 +38,36 @@ def compute(blocks: int, block_s=0.01, root_s=0.005, saved=1 << 20) -> ComputeRa
     return ComputeRates(tokens=64, dtype="bfloat16", root_forward_s=root_s, root_backward_s=2 * root_s,
                         block_forward_s=block_s, block_backward_s=2 * block_s, blocks=blocks,
                         root_saved_bytes=saved, block_saved_bytes=saved, block_input_bytes=saved // 8)
+
+
+def auto_initialize(spec: dict) -> dict:
+    """Rank side of the multi-rank ``offload: auto`` test: ``infinity.initialize`` a small GPT with
+    ``spec["config"]`` (an auto config) in this rank's world; the config its engine got, what it logged,
+    one training step's loss, or the error initialize raised (``error``: its type and message)."""
+    import contextlib
+    import io
+
+    import torch
+
+    import infinity
+    from infinity.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(log):
+            model, opt = infinity.initialize(GPT(GPTConfig(**spec["shape"])), spec["config"])
+    except Exception as e:   # noqa: BLE001 - the test checks which error each rank saw
+        return {"error": (type(e).__name__, str(e)), "log": log.getvalue()}
+    engine = infinity.engine_of(model)
+    try:
+        ids = torch.randint(0, spec["shape"]["vocab_size"], (2, spec["shape"]["block_size"]),
+                            generator=torch.Generator().manual_seed(engine.rank))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return {"config": engine.config.to_dict(), "log": log.getvalue(), "loss": loss.item(),
+                "world_size": engine.world_size}
+    finally:
+        engine.close()

@@ -88,3 +88,23 @@ def test_train_config_auto_resolves_to_the_planned_config(tmp_path, capsys):
     config = Config.from_dict(run.config)
     assert "# chosen:" in capsys.readouterr().err
     assert config.tiers.host_bytes == 8 * 2**20 and config.optimizer.lr == 1e-2
+
+
+def test_under_a_launcher_rank_0_plans_and_every_rank_builds_its_choice(worlds, tmp_path):
+    """World size 2: rank 0 alone plans and logs the plan; rank 1 gets the same config through the
+    broadcast and both train a step in one data-parallel world. A plan that fails on rank 0 raises there
+    and, naming rank 0's error, on rank 1 (which would otherwise wait for a config forever)."""
+    import plan_cases
+    cfg = _auto(tmp_path)
+    cfg["tiers"]["nvme_path"] = str(tmp_path / "swap")
+    ok = worlds(2).run(plan_cases.auto_initialize, {"shape": SHAPE, "config": cfg})
+    assert all("error" not in r for r in ok), ok
+    assert ok[0]["config"] == ok[1]["config"] and ok[0]["world_size"] == ok[1]["world_size"] == 2
+    assert "# chosen:" in ok[0]["log"] and "# chosen:" not in ok[1]["log"]
+    planned = yaml.safe_load("\n".join(ln for ln in ok[0]["log"].splitlines() if not ln.startswith("#")))
+    assert Config.from_dict(planned).to_dict() == ok[0]["config"]
+    bad = _auto(tmp_path, host_bytes="4KiB", device_bytes="8KiB")
+    failed = worlds(2).run(plan_cases.auto_initialize, {"shape": SHAPE, "config": bad})
+    assert failed[0]["error"][0] == "InfeasiblePlan" and "below the least any config needs" in failed[0]["error"][1]
+    assert failed[1]["error"][0] == "ConfigError"
+    assert "failed on rank 0" in failed[1]["error"][1] and "below the least any config needs" in failed[1]["error"][1]
