@@ -223,7 +223,9 @@ class ZeroEngine:
         return GradReducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
                            config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
                            room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
-                           overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward)
+                           overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward,
+                           norm_at_fold=config.schedule.clip_grad_norm is not None,
+                           accum_steps=config.schedule.accum_steps)
 
     def _place_unit(self, unit, flat32: torch.Tensor) -> None:
         """Broadcast rank 0's values, make parameters views of the full buffer, put this rank's shard home."""
@@ -356,6 +358,7 @@ class ZeroEngine:
                                "(clip_grad_norm_, or a step that failed part-way): call optimizer.step() first")
         # before any gradient of this backward is written: a launched update (reading them) is finished
         self.update.begin_backward(self._requires_sync)
+        self.grads.begin_backward()
         self._go(StepPhase.BACKWARD)
         self.stats.start("backward")
         # runs once the whole backward pass is done: flush reductions, release stage-3 units

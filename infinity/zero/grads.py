@@ -60,6 +60,13 @@ def _square_sum(unit, grad: torch.Tensor) -> torch.Tensor:
     return grad.float().pow(2).sum()
 
 
+def _pieces(unit) -> list:
+    """The element ranges of ``unit``'s gradient shard whose squared sums make its part of the clip norm:
+    its optimizer chunks (a fold of an accumulated sum sees one chunk at a time), or the whole shard."""
+    chunks = unit.shard.chunks()
+    return [(0, unit.shard_numel)] if chunks == [None] else chunks
+
+
 class GradReducer:
     """This rank's gradient path, built with what it uses:
 
@@ -69,6 +76,10 @@ class GradReducer:
       or ZeRO++'s quantized one, same signature);
     - ``room(attempt)``: runs a store operation that may have to wait for host room (a fold into a
       stored gradient shard during an overlapped step);
+    - ``norm_at_fold``: clipping is expected (``schedule.clip_grad_norm`` is set): from the
+      ``accum_steps``-th backward since zero_grad on, each fold takes the squared sums of the gradient it
+      leaves in the shard while that is in memory, so :meth:`clip` reads no stored gradient back (at
+      2.7B with NVMe gradients, 5.4 GB a step); a later fold of the unit takes them again;
     - ``square_sum(unit, grad)``: a unit shard's squared norm for clipping (tensor parallelism weighs
       replicated elements); ``norm_coll``: where that sum is all-reduced (None: nowhere, stage 0 holds
       the whole gradient); ``overflow_coll``: every rank that must skip an fp16 step together.
@@ -79,7 +90,8 @@ class GradReducer:
 
     def __init__(self, units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device,
                  bucket_bytes: int, shard_rank: int, fp16: bool, room=None, square_sum=None,
-                 norm_coll=None, overflow_coll=None, settle_now=None):
+                 norm_coll=None, overflow_coll=None, settle_now=None, norm_at_fold: bool = False,
+                 accum_steps: int = 1):
         self.units, self.policy, self.coll, self.unit_comm = units, policy, coll, unit_comm
         # settle_now(): True while another party (an overlapped update's pipeline) pins host room beside
         # backward; each fold is then finished at once, so the pins a fold in flight holds (its brought
@@ -105,6 +117,11 @@ class GradReducer:
         self._out_bytes = 0
         self._buffer_peak_bytes = 0
         self.square_sum = square_sum if square_sum is not None else _square_sum
+        # squared sums at the fold only with the plain per-shard sum (tensor parallelism weighs elements)
+        self.norm_at_fold = norm_at_fold and square_sum is None
+        self.accum_steps = accum_steps
+        self._backwards = 0                 # backward passes since zero_grad
+        self.norm_reads = 0                 # units whose gradient clip() had to read back (stats, tests)
         self.norm_coll = norm_coll
         self.overflow_coll = overflow_coll if overflow_coll is not None else coll
 
@@ -187,9 +204,15 @@ class GradReducer:
             while len(self._inflight) > MAX_INFLIGHT:
                 self._inflight.popleft().wait()
 
+    def begin_backward(self) -> None:
+        """A backward pass starts (counted for ``norm_at_fold``)."""
+        self._backwards += 1
+
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
-        inspect = self._note_non_finite if self.fp16 else None   # the folded sum itself may overflow
+        take_norm = self.norm_at_fold and self._backwards >= self.accum_steps
+        unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
+        inspect = self._inspector(unit, take_norm)
         self._settle_landed_writes()
         write = unit.shard.fold_grad(out, first, inspect, room=self.room)
         if write is not None and self._settle_now():
@@ -200,6 +223,24 @@ class GradReducer:
         unit.full_grad = None   # the full gradient is dropped once reduced
         self._out_bytes -= out.nbytes
         self._folded.append(unit)
+
+    def _inspector(self, unit, take_norm: bool):
+        """What a fold calls with the gradient it leaves in the shard (``inspect(t, lo)``: elements
+        ``[lo, lo + t.numel())`` of it): fp16's overflow check (the folded sum itself may overflow) and
+        the clip norm's squared sums of every norm piece ``t`` holds whole (:meth:`_pieces`)."""
+        if not (self.fp16 or take_norm):
+            return None
+        pieces = _pieces(unit)
+        sums = unit.grad_square_sums
+
+        def inspect(t: torch.Tensor, lo: int = 0) -> None:
+            if self.fp16:
+                self._note_non_finite(t)
+            if take_norm and t.dtype == self.reduce_dtype:   # the stored gradient's very values
+                for a, b in pieces:
+                    if lo <= a and b <= lo + t.numel():
+                        sums[a] = _square_sum(unit, t[a - lo:b - lo])
+        return inspect
 
     def take_folded(self, readable: bool = False) -> list:
         """Units (stages 2-3) whose reduced gradient reached their shard since the last call, in order:
@@ -298,6 +339,8 @@ class GradReducer:
             self.wait_writes(raise_errors=False)
             self._folded = []
             self._unit_writes = {}
+            for unit in self.units:   # a fold may have been cut short
+                unit.grad_square_sums = None
             for unit in self.units:
                 unit.start_backward_pass()
                 if self.arena is None:
@@ -340,10 +383,12 @@ class GradReducer:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients; folds ``min(1, max_norm / norm)`` into the
-        multiplier. Reads one unit's gradient shard at a time."""
+        multiplier. A unit's squared sum is the sum, in order, of its norm pieces' (:func:`_pieces`):
+        taken at its last fold (``norm_at_fold``), or read back one unit's gradient shard at a time -
+        the same values either way."""
         per_device: dict = {}   # summed where each shard is: no device->host read per unit
         for unit in self.units:
-            s = self.square_sum(unit, unit.shard.read(TensorClass.GRAD)).reshape(())
+            s = self._unit_square_sum(unit).reshape(())
             per_device[s.device] = per_device[s.device] + s if s.device in per_device else s.clone()
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for s in per_device.values():
@@ -355,6 +400,22 @@ class GradReducer:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         self.multiplier *= float(coef)
         return norm
+
+    def _unit_square_sum(self, unit) -> torch.Tensor:
+        pieces = _pieces(unit)
+        taken = unit.grad_square_sums
+        if taken is not None and len(taken) == len(pieces):
+            parts = [taken[a] for a, _ in pieces]
+        else:
+            self.norm_reads += 1
+            grad = unit.shard.read(TensorClass.GRAD)
+            if self.square_sum is not _square_sum:
+                return self.square_sum(unit, grad)
+            parts = [_square_sum(unit, grad[a:b]) for a, b in pieces]
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p.to(total.device)
+        return total
 
     def wait_writes(self, raise_errors: bool = True) -> None:
         """Wait for folded gradients still being written; a failed write is raised here."""
@@ -372,6 +433,9 @@ class GradReducer:
         self.multiplier = 1.0
         self._folded = []
         self._inf_flags = {}
+        self._backwards = 0
+        for unit in self.units:
+            unit.grad_square_sums = None
         self._out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
         if self.arena is not None:
             for unit in self.units:

@@ -294,8 +294,9 @@ class StoreUnitShard(UnitShard):
           staging buffer (:class:`~infinity.zero.grad_staging.FoldStaging`); the sum is made on the host
           once both have landed.
 
-        ``inspect(t)`` (fp16's overflow check) sees the folded gradient while it is in memory: ``reduced``
-        itself for a first gradient, the host sum for an accumulation. ``room(attempt)`` wraps each
+        ``inspect(t, lo)`` (fp16's overflow check, the clip norm's squared sums) sees the folded gradient
+        while it is in memory, ``t`` holding its elements from ``lo``: ``reduced`` itself (``lo`` 0) for a
+        first gradient, each chunk's host sum for an accumulation. ``room(attempt)`` wraps each
         chunk's claim or bring, which may wait for host room and run ``attempt`` again: a retry repeats
         that one chunk's store call, never a sum already folded."""
         room = room or (lambda attempt: attempt())
@@ -337,8 +338,8 @@ class StoreUnitShard(UnitShard):
         def finish(staged: torch.Tensor) -> None:
             g = brought.result()
             g.add_(staged)
-            if inspect is not None:
-                inspect(g)   # the sum itself may overflow; looked at while it is here
+            if inspect is not None:   # the sum itself may overflow, and the clip norm sums it: while it is here
+                inspect(g, self.bounds[chunk][0] if self.chunked else 0)
             self.store.mark_dirty(key, Tier.HOST)
             if not self.placement.defer_grad_writes:
                 self.store.write_back(key)   # in the background; a later bring waits for it

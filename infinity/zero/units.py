@@ -122,6 +122,9 @@ class FlatUnit:
         self.reduced = False                # this backward's reduction of the unit has been launched
         self.unwritten: set | None = None   # slot offsets not written since zero_grad (None: all real)
         self.grad_stale = False             # the gradient shard predates zero_grad: the next fold copies
+        # the clip norm's squared sums of the gradient shard, per piece start, taken at its last fold while
+        # it was in memory (GradReducer.clip reads none back); None: not taken
+        self.grad_square_sums: dict | None = None
         self.updated = False                # the running optimizer step has updated this unit's shard
         self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
 
@@ -236,7 +239,7 @@ class UnitShard:
     def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None, room=None):
         """Fold a reduce-scattered gradient into the shard: a copy when ``first`` (the shard predates
         zero_grad), else a sum. ``inspect(result)`` sees the folded gradient while it is in memory
-        (fp16's overflow check), so nothing is read back for it. ``room(attempt)`` runs each store
+        (fp16's overflow check, the clip norm's squared sums), so nothing is read back for it. ``room(attempt)`` runs each store
         operation that may have to wait for host room (a stored shard's; None: at once). Returns the
         future of a write still in flight, or None."""
         grad = self.get(TensorClass.GRAD)

@@ -29,6 +29,8 @@ def offload_config(spec: dict, rank: int, world: int = 1) -> dict:
     os.makedirs(cfg["tiers"]["nvme_path"], exist_ok=True)
     cfg["prefetch"] = {"bytes": spec.get("prefetch_bytes", 1 << 16), "max_live_bytes": spec.get("max_live", 1 << 20)}
     cfg["optimizer"]["threads"] = 1
+    if "schedule" in spec:   # schedule.clip_grad_norm / accum_steps: what the engine is told to expect
+        cfg["schedule"] = spec["schedule"]
     return cfg
 
 
@@ -102,6 +104,7 @@ def train_case(spec: dict) -> dict:
         with engine.gathered():
             params = {n: p.detach().float().clone() for n, p in model.named_parameters()} if rank == 0 else None
         store = engine.store.stats()
+        chunks = max(len(u.shard.chunks()) for u in engine.units)
         pl = engine.placement
         itemsizes = pl.stored_itemsizes(engine.stage, engine.param_dtype.itemsize, engine.reduce_dtype.itemsize)
         accounting = {"shard_numel": sum(u.shard_numel for u in engine.units),   # what the placement says it stores
@@ -114,7 +117,8 @@ def train_case(spec: dict) -> dict:
     finally:
         engine.close()
     return {"losses": losses, "norms": norms, "params": params, "stats": stats, "store": store,
-            "diverged": engine.prefetcher.steps_diverged, "accounting": accounting}
+            "diverged": engine.prefetcher.steps_diverged, "accounting": accounting,
+            "norm_reads": engine.grads.norm_reads, "most_chunks": chunks}
 
 
 def many(specs: list) -> list:
