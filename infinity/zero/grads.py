@@ -385,7 +385,7 @@ class GradReducer:
         """Global L2 norm of the (unscaled) gradients; folds ``min(1, max_norm / norm)`` into the
         multiplier. A unit's squared sum is the sum, in order, of its norm pieces' (:func:`_pieces`):
         taken at its last fold (``norm_at_fold``), or read back one unit's gradient shard at a time -
-        the same values either way."""
+        the same values either way on the CPU path (on CUDA a first fold's are the device's reduction)."""
         per_device: dict = {}   # summed where each shard is: no device->host read per unit
         for unit in self.units:
             s = self._unit_square_sum(unit).reshape(())
