@@ -106,11 +106,12 @@ def check_fresh_save_dir(save_dir: str) -> None:
         raise TrainError(f"--save-dir {d}: {parent} is not writable")
 
 
-def checkpoint_bytes(num_params: int) -> int:
+def checkpoint_bytes(num_params: int, moments: str = "fp32") -> int:
     """About what one checkpoint of ``num_params`` parameters takes on disk: fp32 master weights and both
-    Adam moments (12 bytes a parameter, over all ranks together), plus 1% and 1 MiB for padding, buffers and
-    the JSON files."""
-    return int(12 * num_params * 1.01) + 2**20
+    Adam moments as they are stored (``optimizer.moments``: 12 bytes a parameter with fp32 moments, 8 with
+    bf16, over all ranks together), plus 1% and 1 MiB for padding, buffers and the JSON files."""
+    per_param = 4 + 2 * (2 if moments == "bf16" else 4)
+    return int(per_param * num_params * 1.01) + 2**20
 
 
 def _existing_ancestor(d: Path) -> Path:

@@ -195,7 +195,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
             check_fresh_save_dir(save_dir)
         else:
             check_no_later_checkpoints(save_dir, start_step, resume)
-        check_save_room(save_dir, checkpoint_bytes(num_params))
+        check_save_room(save_dir, checkpoint_bytes(num_params, config.optimizer.moments))
 
     off = config.offload
     on_nvme = any(getattr(off, k) == "nvme" for k in ("optimizer", "params", "grads"))
