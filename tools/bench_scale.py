@@ -58,7 +58,10 @@ sys.path.insert(0, REPO)
 import torch
 
 from infinity.config import Config, ConfigError, format_size, parse_size
+from infinity.store import Tier
+from infinity.zero.engine import DTYPES
 from infinity.zero.memory_report import reset_peak_rss
+from infinity.zero.placement import Placement
 
 SIZES = {  # layers, width, heads: the peers' table, and 4b = 4.07B params, the first >= 4.0B at width 2560;
     # 7b = 6.65B params, Llama-2-7B's depth and width (32 x 4096) in GPT-2's blocks
@@ -139,14 +142,15 @@ def infinity_config(a) -> dict:
 
 
 def disk_need(a) -> dict:
-    """Swap bytes of each system (master, m, v in their stored formats, bf16 params, stored gradients) and of
-    the disk test; they run one after the other, each removing its files, so the largest counts, plus the
-    peers' 4 GiB."""
-    grad = 0 if a.conf["offload"]["grads"] != "nvme" else 2 if a.conf["precision"].get("reduce_dtype") == "bf16" else 4
-    opt = a.conf["optimizer"]
-    master = 2 if opt.get("master") == "remainder" else 4   # the int16 remainder, or the fp32 master
-    moments = 2 * (2 if opt.get("moments") == "bf16" else 4)
-    ours = a.n_params * (master + moments + 2 + grad) + GIB   # the swap file grows in steps of up to 1 GiB
+    """Swap bytes of each system (ours: every class the placement homes on NVMe, in its stored format, as
+    the engine counts it) and of the disk test; they run one after the other, each removing its files, so
+    the largest counts, plus the peers' 4 GiB."""
+    config = Config.from_dict(a.conf)
+    placement = Placement.from_config(config)
+    sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
+                                       DTYPES[config.precision.reduce_dtype].itemsize)
+    per_param = sum(n for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
+    ours = a.n_params * per_param + GIB   # the swap file grows in steps of up to 1 GiB
     peer = a.n_params * 18 if a.peer else 0      # DeepSpeed: bf16 params, fp32 master, m, v and grads
     return {"infinity_swap": ours, "deepspeed_swap": peer, "disk_test": 2 * a.disk_bytes,
             "total": max(ours, peer, 2 * a.disk_bytes) + 4 * GIB}
