@@ -44,7 +44,7 @@ def _plan_config(model, config):
                 raise
             failed = e
     if world > 1 and dist.is_available() and dist.is_initialized():
-        box = [chosen if failed is None else None, None if failed is None else f"{type(failed).__name__}: {failed}"]
+        box = [chosen, None if failed is None else f"{type(failed).__name__}: {failed}"]   # chosen: None if failed
         dist.broadcast_object_list(box, src=0)
         if failed is not None:
             raise failed

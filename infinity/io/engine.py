@@ -11,8 +11,10 @@ Phases (``io.phase_bytes`` > 0): reads and writes wait in two queues and the
 workers serve one kind at a time - each queue in submission order - switching to
 the other kind once ``phase_bytes`` of this one were taken while the other waited,
 or when none of this one is left. On a disk where reads and writes at once slow
-each other down (measured here: 1.21 GB/s read and 2.10 GB/s written alone, 0.91 +
-0.63 at once) the disk then mostly reads alone or writes alone. A switch does not
+each other down (this one, one day: 1.21 GB/s read and 2.10 GB/s written alone, 0.91
++ 0.63 at once; another day mixing cost nothing and phases lost 4-6%, so the default
+is 0; ``tools/bench_io.py --mixed`` tells) the disk then mostly reads alone or writes
+alone. A switch does not
 wait for the other kind's pieces still in a system call (at most ``threads``).
 With 0, one queue in submission order: reads and writes mixed as they come.
 

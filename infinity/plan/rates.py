@@ -253,8 +253,8 @@ def measure_compute(build: Callable[[], nn.Module], loss_fn, batch: int, seq: in
     the whole model if it is within :data:`WHOLE_MODEL_BYTES`, else two blocks), the median of ``repeats``
     after a warm-up (a measured step's median is what it is compared with; the best of them came out 7-33%
     below the engine's steps in tools/bench_plan.py), each block timed by hooks (:class:`_BlockClock`) and
-    the root as the rest; also the bytes the forward saves for backward, in the blocks and outside. ``loss_fn(model, input_ids, labels)`` is the
-    training loss."""
+    the root as the rest; also the bytes the forward saves for backward, in the blocks and outside.
+    ``loss_fn(model, input_ids, labels)`` is the training loss."""
     from infinity.zero.memory_report import SavedTensorMeter
 
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
