@@ -31,9 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from infinity.optim.moment_codes import BLOCK, ROW_BYTES, decode_, dither, encode_
 from infinity.optim.split_master import join_bf16_, round_bf16_, split_bf16_
 
-__all__ = ["CpuAdamW", "adamw_", "device_adamw_", "uses_fused_adamw", "default_adam_threads", "write_param_"]
+__all__ = ["CpuAdamW", "adamw_", "device_adamw_", "device_adamw_blocks_", "uses_fused_adamw", "default_adam_threads",
+           "write_param_"]
 
 _HAS_FUSED = hasattr(torch, "_fused_adamw_")
 # The fused kernel runs vector lanes over the body of a tensor and scalar code
@@ -71,6 +73,9 @@ class CpuAdamW:
 
     bf16 moments (``optimizer.moments: bf16``): ``exp_avg`` / ``exp_avg_sq`` may be bf16; each chunk is
     widened to fp32, updated by the same kernel and rounded back to nearest (even) while in cache.
+
+    int8 moments (``optimizer.moments: int8``, :mod:`~infinity.optim.moment_codes`): :meth:`step_segments_`
+    updates a whole job, every param group's range of it, decoding each work chunk's blocks once.
     """
 
     def __init__(self, threads: int | None = None, chunk_numel: int = 1024 * 1024):
@@ -105,40 +110,90 @@ class CpuAdamW:
 
         ``grad_scale`` multiplies the gradient as each chunk is read (fp16 unscaling, clipping), so a
         gradient that lives in a slower tier is never rewritten just to scale it; ``grad`` is not changed.
+        int8 moments (uint8 rows of blocks) go to :meth:`step_segments_` as one segment.
         """
+        if exp_avg.dtype == torch.uint8:
+            hyper = dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+            self.step_segments_(param, grad, exp_avg, exp_avg_sq, [(0, param.numel(), hyper)], out=out,
+                                grad_scale=grad_scale)
+            return
         numel = param.numel()
-        for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq), ("out", out)):
-            if t is not None and (t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu"):
-                raise ValueError(
-                    f"CpuAdamW: {name} must be a contiguous CPU tensor of {numel} elements, "
-                    f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
-        split = param.dtype == torch.int16
-        if split and (out is None or out.dtype != torch.bfloat16):
-            raise ValueError("CpuAdamW: an int16 param is a split master's remainder; it needs its bf16 "
-                             f"parameter as out, got {None if out is None else out.dtype}")
-        if param.dtype not in (torch.float32, torch.int16):
-            raise ValueError(f"CpuAdamW: param must be fp32 (or a split master's int16 remainder), got {param.dtype}")
+        self._check(param, grad, out, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             if t.dtype not in _MOMENT_DTYPES:
                 raise ValueError(f"CpuAdamW: {name} must be fp32 or bf16, got {t.dtype}")
         if numel == 0:
             return
         hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
-        ranges = self._split(numel)
+        self._run(self._update_range, self._split(numel, _CHUNK_ALIGN_NUMEL),
+                  param, grad, exp_avg, exp_avg_sq, out, hyper, grad_scale)
+
+    def step_segments_(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        segments: list,
+        *,
+        out: torch.Tensor | None = None,
+        grad_scale: float = 1.0,
+        seed: int = 0,
+        index: int = 0,
+    ) -> None:
+        """One AdamW update of a job whose moments are stored int8: ``exp_avg`` / ``exp_avg_sq`` are its
+        ``(blocks, ROW_BYTES)`` uint8 rows, ``segments`` ``[(lo, hi, hyper), ...]`` the element ranges to
+        update, each with its param group's ``hyper`` (``step, lr, betas, eps, weight_decay``, as
+        :meth:`step_` takes them). One block may hold two groups' elements, so the job is updated whole:
+        each work chunk's blocks are decoded to fp32 once, every segment in it updated by the fused
+        kernel, and the chunk encoded back while in cache, rounding stochastically
+        (:func:`~infinity.optim.moment_codes.dither` of ``seed``, the step and the element's ``index +
+        i``: the same result however the job is cut into chunks and threads). Work chunks no segment
+        touches (padding) are left as they are. ``param``, ``grad``, ``out`` and ``grad_scale`` are as in
+        :meth:`step_`."""
+        numel = param.numel()
+        rows = (math.ceil(numel / BLOCK), ROW_BYTES)
+        for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            if t.dtype != torch.uint8 or tuple(t.shape) != rows or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"CpuAdamW: int8 {name} must be contiguous CPU uint8 rows of shape {rows}, got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        self._check(param, grad, out)
+        segments = [(lo, hi, dict(step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
+                                  eps=h["eps"], weight_decay=h["weight_decay"])) for lo, hi, h in segments]
+        if numel and segments:
+            self._run(self._update_blocks, self._split(numel, BLOCK), param, grad, exp_avg, exp_avg_sq, out,
+                      segments, grad_scale, (seed, segments[0][2]["step"], index))
+
+    def _run(self, work, ranges: list, *args) -> None:
+        """``work(*args[:5], lo, hi, *args[5:])`` over each thread's range: on the pool when torch runs
+        single-threaded, else in order on this thread (torch spreads each op over its own threads)."""
+        head, tail = args[:5], args[5:]
         if self._pool is None or len(ranges) == 1 or torch.get_num_threads() > 1:
             for lo, hi in ranges:
-                self._update_range(param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale)
+                work(*head, lo, hi, *tail)
             return
-        futures = [self._pool.submit(self._update_range, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper,
-                                     grad_scale)
-                   for lo, hi in ranges]
+        futures = [self._pool.submit(work, *head, lo, hi, *tail) for lo, hi in ranges]
         for f in futures:
             f.result()  # re-raises a worker's exception here
 
-    def _split(self, numel: int) -> list[tuple[int, int]]:
+    def _split(self, numel: int, align: int) -> list[tuple[int, int]]:
         # One contiguous range per thread keeps each thread's stream sequential.
-        per_thread = math.ceil(numel / self.threads / _CHUNK_ALIGN_NUMEL) * _CHUNK_ALIGN_NUMEL
+        per_thread = math.ceil(numel / self.threads / align) * align
         return [(lo, min(numel, lo + per_thread)) for lo in range(0, numel, per_thread)]
+
+    @staticmethod
+    def _check(param, grad, out, **moments) -> None:
+        numel = param.numel()
+        for name, t in (("grad", grad), *moments.items(), ("out", out)):
+            if t is not None and (t.numel() != numel or not t.is_contiguous() or t.device.type != "cpu"):
+                raise ValueError(
+                    f"CpuAdamW: {name} must be a contiguous CPU tensor of {numel} elements, "
+                    f"got {tuple(t.shape)} on {t.device} (contiguous={t.is_contiguous()})")
+        if param.dtype == torch.int16 and (out is None or out.dtype != torch.bfloat16):
+            raise ValueError("CpuAdamW: an int16 param is a split master's remainder; it needs its bf16 "
+                             f"parameter as out, got {None if out is None else out.dtype}")
+        if param.dtype not in (torch.float32, torch.int16):
+            raise ValueError(f"CpuAdamW: param must be fp32 (or a split master's int16 remainder), got {param.dtype}")
 
     def _work(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """This thread's work buffer ``name`` of one work chunk, made on first use and kept: a fresh
@@ -148,34 +203,66 @@ class CpuAdamW:
             buffers[name] = torch.empty(min(self.chunk_numel, _WORK_CHUNK_NUMEL), dtype=dtype)
         return buffers[name]
 
-    def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
-        split = param.dtype == torch.int16
-        # fp32 working chunks of what is stored narrower (a split master, bf16 moments) and the bf16
-        # rounding's int32 work buffer: this thread's, reused chunk after chunk and step after step
-        joined = self._work("joined", torch.float32) if split else None
+    def _buffers_for(self, param, out) -> tuple:
+        """This thread's fp32 work chunk for a split master and int32 one for bf16 rounding (None where
+        not needed): reused chunk after chunk and step after step."""
+        joined = self._work("joined", torch.float32) if param.dtype == torch.int16 else None
         scratch = self._work("scratch", torch.int32) if out is not None and out.dtype == torch.bfloat16 else None
+        return joined, scratch
+
+    def _update_range(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, hyper, grad_scale):
+        joined, scratch = self._buffers_for(param, out)
+        # fp32 working chunks of moments stored narrower (bf16)
         wide = [self._work(name, torch.float32) if t.dtype != torch.float32 else None
                 for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq))]
         converts = joined is not None or scratch is not None or wide != [None, None]
         stride = min(self.chunk_numel, _WORK_CHUNK_NUMEL) if converts else self.chunk_numel
         for s in range(lo, hi, stride):
             e = min(hi, s + stride)
-            p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
             m, v = (t[s:e] if w is None else w[:e - s].copy_(t[s:e]) for t, w in zip((exp_avg, exp_avg_sq), wide))
-            g = grad[s:e]
-            if g.dtype != torch.float32:
-                g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
-            if grad_scale != 1.0:
-                g = g * grad_scale   # a new chunk: the caller's gradient stays as it was
-            _adamw_chunk(p, g, m, v, **hyper)
+            self._piece(param, grad, out, s, e, m, v, hyper, grad_scale, joined, scratch)
             for t, w, wide_chunk in ((exp_avg, wide[0], m), (exp_avg_sq, wide[1], v)):
                 if w is not None:
                     t[s:e].copy_(wide_chunk)   # bf16 moments: round to nearest even
-            work = scratch[:e - s] if scratch is not None else None
-            if split:
-                split_bf16_(p, out[s:e], param[s:e], work)
-            elif out is not None:
-                write_param_(p, out[s:e], work)
+
+    def _update_blocks(self, param, grad, exp_avg, exp_avg_sq, out, lo, hi, segments, grad_scale, where):
+        """:meth:`step_segments_` over elements ``[lo, hi)`` (``lo`` a multiple of BLOCK); ``where``:
+        ``(seed, step, index)`` of the stochastic rounding."""
+        joined, scratch = self._buffers_for(param, out)
+        m_work, v_work = self._work("exp_avg", torch.float32), self._work("exp_avg_sq", torch.float32)
+        stride = max(BLOCK, min(self.chunk_numel, _WORK_CHUNK_NUMEL) // BLOCK * BLOCK)
+        seed, step, index = where
+        for s in range(lo, hi, stride):
+            e = min(hi, s + stride)
+            pieces = [(max(a, s), min(b, e), hyper) for a, b, hyper in segments if max(a, s) < min(b, e)]
+            if not pieces:
+                continue
+            blocks = slice(s // BLOCK, math.ceil(e / BLOCK))
+            m = decode_(exp_avg[blocks], m_work, squared=False)
+            v = decode_(exp_avg_sq[blocks], v_work, squared=True)
+            for a, b, hyper in pieces:
+                self._piece(param, grad, out, a, b, m[a - s:b - s], v[a - s:b - s], hyper, grad_scale,
+                            joined, scratch)
+            encode_(m, exp_avg[blocks], root=False, dither=dither(seed, step, 0, index + s, m.numel()))
+            encode_(v, exp_avg_sq[blocks], root=True, dither=dither(seed, step, 1, index + s, v.numel()))
+
+    @staticmethod
+    def _piece(param, grad, out, s, e, m, v, hyper, grad_scale, joined, scratch) -> None:
+        """The fused kernel on elements ``[s, e)`` with their fp32 moments ``m``, ``v``: the fp32 master
+        joined from a split one first and split back after, the parameter written to ``out``."""
+        split = param.dtype == torch.int16
+        p = join_bf16_(out[s:e], param[s:e], joined[:e - s]) if split else param[s:e]
+        g = grad[s:e]
+        if g.dtype != torch.float32:
+            g = g.float()  # reduce dtype may be bf16/fp16; upcast the chunk while it is in cache
+        if grad_scale != 1.0:
+            g = g * grad_scale   # a new chunk: the caller's gradient stays as it was
+        _adamw_chunk(p, g, m, v, **hyper)
+        work = scratch[:e - s] if scratch is not None else None
+        if split:
+            split_bf16_(p, out[s:e], param[s:e], work)
+        elif out is not None:
+            write_param_(p, out[s:e], work)
 
 
 def write_param_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,6 +299,34 @@ def device_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         return
     adamw_(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
            weight_decay=weight_decay)
+
+
+def device_adamw_blocks_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         segments: list, *, out: torch.Tensor | None = None, grad_scale: float = 1.0, seed: int = 0,
+                         index: int = 0) -> None:
+    """:meth:`CpuAdamW.step_segments_` for int8 moments kept in device memory, on any device: the job's
+    moments decoded whole, each segment updated by :func:`device_adamw_`, encoded back with the same
+    stochastic rounding (so only the kernel's last bits differ from the CPU path's). ``param`` is fp32,
+    or a split master's int16 remainder beside its bf16 parameter ``out``."""
+    if not segments:
+        return
+    dev, n = param.device, param.numel()
+    rows = exp_avg.shape[0] * BLOCK
+    m = decode_(exp_avg, torch.empty(rows, dtype=torch.float32, device=dev), squared=False)
+    v = decode_(exp_avg_sq, torch.empty(rows, dtype=torch.float32, device=dev), squared=True)
+    split = param.dtype == torch.int16
+    master = join_bf16_(out, param, torch.empty(n, dtype=torch.float32, device=dev)) if split else param
+    for lo, hi, h in segments:
+        device_adamw_(master[lo:hi], grad[lo:hi].float() * grad_scale, m[lo:hi], v[lo:hi], step=h["step"],
+                      lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                      weight_decay=h["weight_decay"])
+    step = segments[0][2]["step"]
+    encode_(m, exp_avg, root=False, dither=dither(seed, step, 0, index, rows, dev))
+    encode_(v, exp_avg_sq, root=True, dither=dither(seed, step, 1, index, rows, dev))
+    if split:
+        split_bf16_(master, out, param)
+    elif out is not None:
+        write_param_(master, out)
 
 
 def _fused_adamw(p, g, m, v, *, step, lr, beta1, beta2, eps, weight_decay) -> None:
