@@ -252,7 +252,10 @@ class StoreUnitShard(UnitShard):
             # the pin's owner is this gather, not a thread: the unpin may come from another one (on CUDA
             # autograd runs backward hooks on its device thread)
             owner = ("gather", self.unit_index)
-            src = self.store.wait(self.store.bring(keys[0], tier, pin=True, owner=owner))
+            # room the gradient folds in flight hold (their pinned sums, their staging) is freed by finishing
+            # them, which only a caller does: refused room, the gather finishes the oldest and tries again
+            src = self.store.wait(self.staging.with_room(lambda: self.store.bring(keys[0], tier, pin=True,
+                                                                                  owner=owner)))
             return src, lambda: self.store.unpin(keys[0], tier, owner)
         for key in keys[1:]:   # reads in flight together, as far as the budget has room (best effort)
             try:
@@ -261,7 +264,7 @@ class StoreUnitShard(UnitShard):
                 break
         out = None
         for key, (lo, hi) in zip(keys, self.bounds):
-            t = self.store.wait(self.store.bring(key, tier, pin=True))
+            t = self.store.wait(self.staging.with_room(lambda: self.store.bring(key, tier, pin=True)))
             try:
                 if out is None:
                     out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
