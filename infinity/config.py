@@ -42,7 +42,7 @@ TIERS = ("none", "host", "nvme")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
 MASTER_FORMATS = ("fp32", "remainder")
-MOMENT_FORMATS = ("fp32", "bf16")
+MOMENT_FORMATS = ("fp32", "bf16", "int8")   # infinity.optim.moment_codes has each one's layout
 OVERLAP_MODES = ("auto", "backward", "next_forward")
 
 
@@ -268,7 +268,9 @@ class OptimizerConfig:
     moments: str = _f(
         "fp32", _choice(*MOMENT_FORMATS), "stored format of Adam's two moments; the update math stays fp32 (each "
         "chunk widened, updated and rounded back to nearest while in cache). bf16: 2 instead of 4 B/element each, "
-        "stored and moved; lossy (see the README's convergence figures)")
+        "stored and moved. int8: 8-bit codes in blocks of 256 with one fp32 scale each (an fp8 e4m3 code per "
+        "element; the second moment coded as its square root), 65/64 B/element each. Both lossy (see the README's "
+        "convergence figures)")
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
 from infinity.checkpoint.tp_layout import check_full_layout, load_unit_resharded
 from infinity.checkpoint.train_state import restore_optimizer, restore_rng, restore_scaler
 from infinity.optim.cpu_adam import write_param_
+from infinity.optim.moment_codes import encode_
 from infinity.optim.split_master import split_bf16_
 from infinity.zero.units import TensorClass, UnitState
 
@@ -64,7 +65,7 @@ def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> di
             needed = {rel: r for unit in engine.units
                       for r, rel in reader.files_for(unit.index, *_owned(engine, unit), tp_rank)}
         with ThreadPoolExecutor(max_workers=engine.config.io.threads) as pool:
-            list(pool.map(lambda item: ckpt.verify(item[0], item[1], SHARD_TENSORS), needed.items()))
+            list(pool.map(lambda item: ckpt.verify(item[0], item[1], ckpt.saved_tensors()), needed.items()))
         if ckpt.manifest["extras"]:
             ckpt.verify("extras.safetensors", 0)
         if load_rng and rank < ckpt.world_size:
@@ -120,10 +121,11 @@ def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
         t = shard.get(TensorClass(name))
         # a split master is read as the fp32 master it stands for, then split below
         fp32 = split and name == TensorClass.MASTER.value
-        # read as fp32 (bf16-saved moments widened exactly); one kept bf16 is then rounded by the copy (exact
-        # for a bf16-saved one)
+        # read as fp32 (bf16-saved moments widened exactly, int8-saved ones decoded); one kept bf16 is then
+        # rounded by the copy (exact for a bf16-saved one), one kept int8 encoded (the same values for an
+        # int8-saved one: moment_codes)
         staging = t if t.device.type == "cpu" and not fp32 and t.dtype == torch.float32 else \
-            torch.empty(t.numel(), dtype=torch.float32)  # CUDA-only staging, the fp32 master or a wide moment
+            torch.empty(unit.shard_numel, dtype=torch.float32)  # CUDA-only staging, the fp32 master or a moment
         with torch.no_grad():
             if rebuilt is not None:
                 staging[:hi - lo].copy_(rebuilt[name])
@@ -132,6 +134,11 @@ def _load_unit(engine, unit, reader: ShardReader, resplit_from=None) -> None:
             staging[hi - lo:].zero_()  # padding is in no param group: it must stay zero
             if fp32:
                 master32 = staging
+            elif t.dtype == torch.uint8:   # int8 moments: rows of blocks
+                rows = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype)   # CUDA-only staging
+                encode_(staging, rows, root=name == TensorClass.EXP_AVG_SQ.value)
+                if rows is not t:
+                    t.copy_(rows)
             elif staging is not t:
                 t.copy_(staging)
     master, param = shard.get(TensorClass.MASTER), shard.get(TensorClass.PARAM)

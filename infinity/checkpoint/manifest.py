@@ -33,13 +33,17 @@ from pathlib import Path
 from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader, crc32_file
 from infinity.io.new_files import open_new
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "SHARD_TENSORS", "Checkpoint", "unit_layout", "unit_file", "rank_dir",
+__all__ = ["FORMAT", "FORMAT_VERSION", "SHARD_TENSORS", "SCALE_SUFFIX", "BLOCK_CODE", "Checkpoint", "unit_layout", "unit_file", "rank_dir",
            "write_json", "resolve_checkpoint_dir", "step_dir_name", "STEP_DIR_RE"]
 
 FORMAT = "infinity-checkpoint"
-FORMAT_VERSION = 2   # 2: a unit file's moments may be bf16 (optimizer.moments: bf16, saved as stored)
-READS_VERSIONS = (1, 2)   # 1: every shard tensor fp32 (what version 2 writes for fp32 moments)
+# 2: a unit file's moments may be bf16 (optimizer.moments: bf16, saved as stored); 3: or int8, saved as
+# F8_E4M3 codes and an F32 tensor "<name>_scale" of one scale per block of 256 (SCALE_SUFFIX)
+FORMAT_VERSION = 3
+READS_VERSIONS = (1, 2, 3)   # 1: every shard tensor fp32 (what versions 2 and 3 write for fp32 moments)
 SHARD_TENSORS = ("master", "exp_avg", "exp_avg_sq")   # TensorClass values saved per unit shard
+SCALE_SUFFIX = "_scale"
+BLOCK_CODE = "F8_E4M3"   # the saved dtype of int8 moments' codes; each such tensor has its scales beside it
 STEP_DIR_RE = re.compile(r"^step_(\d{8,})$")
 _MAX_JSON_BYTES = 256 * 2**20
 
@@ -128,7 +132,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: not an {FORMAT} manifest")
         if m.get("format_version") not in READS_VERSIONS:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: format version {m.get('format_version')!r}, "
-                                  f"this version of infinity reads {' and '.join(map(str, READS_VERSIONS))}")
+                                  f"this version of infinity reads {', '.join(map(str, READS_VERSIONS[:-1]))} "
+                                  f"and {READS_VERSIONS[-1]}")
         for key in ("world_size", "stage", "shard_world", "units", "ranks", "optimizer", "state_dict_keys"):
             if key not in m:
                 raise CheckpointError(f"{self.dir / 'manifest.json'}: missing key {key!r}")
@@ -247,6 +252,11 @@ class Checkpoint:
             raise CheckpointError(f"checkpoint {self.dir}: rank {expected_rank}'s file {rel} is missing from its "
                                   f"index (the checkpoint was saved at world size {self.world_size})")
         return self.files[rel][0]
+
+    def saved_tensors(self, names=SHARD_TENSORS) -> tuple:
+        """``names`` and, for each saved as int8 codes, its scale tensor: what reading them reads."""
+        dtypes = self.manifest.get("shard_tensor_dtypes") or {}
+        return tuple(names) + tuple(n + SCALE_SUFFIX for n in names if dtypes.get(n) == BLOCK_CODE)
 
     def verify(self, rel: str, expected_rank: int, tensors=None) -> Path:
         """Path of a listed file, checked once per Checkpoint: whole, or (a tensor file) its header and

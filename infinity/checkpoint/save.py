@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
-from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SHARD_TENSORS, STEP_DIR_RE, rank_dir,
-                                          step_dir_name, unit_file, unit_layout, write_json)
+from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SCALE_SUFFIX, SHARD_TENSORS, STEP_DIR_RE,
+                                          rank_dir, step_dir_name, unit_file, unit_layout, write_json)
 from infinity.checkpoint.tensor_file import DTYPE_CODES, CheckpointError, TensorFileWriter, fsync_dir
 from infinity.checkpoint.tp_layout import tp_manifest
 from infinity.io.new_files import replaced
 from infinity.optim.split_master import join_bf16_
 from infinity.checkpoint.train_state import capture_optimizer, capture_rng, capture_scaler
-from infinity.zero.placement import MOMENT_DTYPES
+from infinity.optim.moment_codes import BLOCK, codes_of, scales_of, moment_format
 from infinity.zero.units import TensorClass
 
 __all__ = ["save_checkpoint", "engine_for"]
@@ -179,9 +179,15 @@ def _write_unit(path: Path, unit, rank: int, placement) -> dict:
 
     A split master (``optimizer.master: remainder``) is saved as the fp32 master it is, joined from the
     parameter and the remainder: the same bytes as the two, and a checkpoint any master format loads.
-    The moments are saved in the dtype they are stored in (bf16 with ``optimizer.moments: bf16``: half
-    the bytes); loading widens them exactly, and rounds them for a run that keeps bf16 moments."""
-    specs = [(name, saved_dtype(placement, name), (unit.shard_numel,)) for name in SHARD_TENSORS]
+    The moments are saved in the format they are stored in (bf16 with ``optimizer.moments: bf16``: half
+    the bytes; int8: the F8_E4M3 codes, then ``<name>_scale``, one fp32 scale per block); loading widens
+    or decodes them exactly, and rounds or encodes them for a run that keeps another format."""
+    blocked = moment_format(placement.moments_format).blocked
+    specs = []
+    for name in SHARD_TENSORS:
+        specs.append((name, saved_dtype(placement, name), (unit.shard_numel,)))
+        if blocked and name != TensorClass.MASTER.value:   # a shard is whole blocks (units.shard_align_numel)
+            specs.append((name + SCALE_SUFFIX, torch.float32, (unit.shard_numel // BLOCK,)))
     writer = TensorFileWriter(path, specs, {"unit": unit.name, "rank": rank})
     try:
         for name in SHARD_TENSORS:
@@ -189,7 +195,13 @@ def _write_unit(path: Path, unit, rank: int, placement) -> dict:
             if placement.split_master and name == TensorClass.MASTER.value:
                 param = unit.shard.read(TensorClass.PARAM).cpu()   # CUDA-only: the shard's host copy
                 t = join_bf16_(param, t.cpu(), torch.empty(t.numel(), dtype=torch.float32))
-            dtype = specs[SHARD_TENSORS.index(name)][1]
+            if blocked and name != TensorClass.MASTER.value:
+                rows = _WRITE_CHUNK_BYTES // BLOCK
+                for lo in range(0, t.shape[0], rows):
+                    writer.write(codes_of(t[lo:lo + rows]).contiguous().view(-1))
+                writer.write(scales_of(t).contiguous().view(-1))
+                continue
+            dtype = specs[[s[0] for s in specs].index(name)][1]
             chunk = _WRITE_CHUNK_BYTES // 4   # elements
             for lo in range(0, t.numel(), chunk):
                 writer.write(t[lo:lo + chunk].to(dtype))
@@ -201,10 +213,11 @@ def _write_unit(path: Path, unit, rank: int, placement) -> dict:
 
 def saved_dtype(placement, name: str) -> torch.dtype:
     """The dtype shard tensor ``name`` is saved in: the master fp32 (a split one joined), each moment as
-    the placement stores it (``optimizer.moments``)."""
+    the placement stores it (``optimizer.moments``; int8: its codes, float8_e4m3fn)."""
     if name == TensorClass.MASTER.value:
         return torch.float32
-    return MOMENT_DTYPES[placement.moments_format]
+    fmt = moment_format(placement.moments_format)
+    return torch.float8_e4m3fn if fmt.blocked else fmt.dtype
 
 
 def extra_state_names(engine, model) -> list:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from infinity.checkpoint.manifest import SHARD_TENSORS, Checkpoint
+import math
+
+from infinity.checkpoint.manifest import SCALE_SUFFIX, SHARD_TENSORS, Checkpoint
 from infinity.checkpoint.tensor_file import TensorFileReader
+from infinity.optim.moment_codes import BLOCK, decode_codes_
+from infinity.zero.units import TensorClass
 
 __all__ = ["ShardReader"]
 
@@ -23,7 +27,8 @@ class ShardReader:
 
     def __init__(self, ckpt: Checkpoint, tensors=SHARD_TENSORS):
         self.ckpt = ckpt
-        self.tensors = tuple(tensors)   # the saved tensors this reader will read (only those are verified)
+        # the saved tensors this reader will read (only those are verified), int8 moments' scales included
+        self.tensors = ckpt.saved_tensors(tensors)
         self._open: dict = {}
 
     def files_for(self, unit_index: int, lo: int, hi: int, tp_rank: int = 0) -> list:
@@ -32,16 +37,30 @@ class ShardReader:
     def read(self, unit_index: int, name: str, lo: int, hi: int, out: torch.Tensor, tp_rank: int = 0) -> None:
         """Unpadded elements [lo, hi) of saved tensor ``name`` of (saved tensor-parallel rank ``tp_rank``'s)
         unit ``unit_index`` into fp32 CPU ``out``; moments saved bf16 (``optimizer.moments: bf16``) are
-        widened, exactly."""
+        widened, and ones saved int8 decoded, exactly."""
         for r, rel, a, b, at in self.ckpt.unit_sources(unit_index, lo, hi, tp_rank):
             reader = self._reader(rel, r)
             saved = reader.entry(name)[0]
             if saved == out.dtype:
                 reader.read_into(name, a, b, out[at:at + b - a])
+            elif saved == torch.float8_e4m3fn:
+                out[at:at + b - a].copy_(self._decoded(reader, name, a, b))
             else:
                 narrow = torch.empty(b - a, dtype=saved)
                 reader.read_into(name, a, b, narrow)
                 out[at:at + b - a].copy_(narrow)
+
+    @staticmethod
+    def _decoded(reader: TensorFileReader, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of an int8 moment: the whole blocks holding them read and decoded (a saved
+        shard is whole blocks), then cut to the range."""
+        first, last = a // BLOCK, math.ceil(b / BLOCK)
+        codes = torch.empty(last - first, BLOCK, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(last - first, 1, dtype=torch.float32)
+        reader.read_into(name, first * BLOCK, last * BLOCK, codes.view(-1))
+        reader.read_into(name + SCALE_SUFFIX, first, last, scales.view(-1))
+        values = decode_codes_(codes, scales, torch.empty(codes.numel()), squared=name == TensorClass.EXP_AVG_SQ.value)
+        return values[a - first * BLOCK:b - first * BLOCK]
 
     def _reader(self, rel: str, rank: int) -> TensorFileReader:
         if rel not in self._open:

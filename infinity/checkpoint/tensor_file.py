@@ -32,7 +32,7 @@ __all__ = ["CheckpointError", "TensorFileWriter", "TensorFileReader", "crc32_fil
 DTYPE_CODES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 _CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 # A header is names, shapes and offsets; anything near this size is a damaged or hostile file.

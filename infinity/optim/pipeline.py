@@ -49,7 +49,7 @@ from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import CpuAdamW, device_adamw_, write_param_
+from infinity.optim.cpu_adam import CpuAdamW, device_adamw_, device_adamw_blocks_, write_param_
 from infinity.optim.split_master import join_bf16_, split_bf16_
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
@@ -82,6 +82,10 @@ class ShardJob:
     cached): states streamed through a host budget too small to keep them until their next use.
     ``master_is_remainder``: ``master`` is a split master's int16 remainder (``optimizer.master:
     remainder``), so ``param_out`` is read as well as written: the fp32 master is the two joined.
+    ``moments_blocked``: ``exp_avg`` / ``exp_avg_sq`` are int8 rows of blocks (``optimizer.moments: int8``,
+    :mod:`~infinity.optim.moment_codes`), updated a whole job at a time; their stochastic rounding is a
+    function of ``unit_index`` and of each element's index in the unit's flat buffer (the job's first
+    is ``element_offset``), so any chunking or tier gives the same result.
     """
 
     name: str
@@ -96,6 +100,9 @@ class ShardJob:
     discard: tuple = ()
     drop: tuple = ()
     master_is_remainder: bool = False
+    moments_blocked: bool = False
+    unit_index: int = 0
+    element_offset: int = 0
     _keys: list = field(default_factory=list, repr=False)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
@@ -564,7 +571,12 @@ class AdamPipeline:
                 out = torch.empty(final.shape, dtype=final.dtype, device=dev)
             if job.master_is_remainder:
                 out.copy_(final)   # the parameter is half of the master: Adam reads it (CUDA: blocking)
-        for group, lo, hi in job.ranges:
+        if job.moments_blocked:
+            self._update_blocked(job, t, master, grad, out, hyper)
+            ranges = ()
+        else:
+            ranges = job.ranges
+        for group, lo, hi in ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
             if dev.type == "cpu":
@@ -592,6 +604,21 @@ class AdamPipeline:
             # device master -> host-stored parameter (optimizer kept on the device): blocking
             final.copy_(out)
         return (final if final is not None else master), None
+
+    def _update_blocked(self, job: ShardJob, t: dict, master, grad, out, hyper) -> None:
+        """int8 moments: one call for the whole job (a block may hold two param groups' elements).
+        On the CPU, :meth:`CpuAdamW.step_segments_` decodes and encodes per cache-sized chunk; a job held
+        in device memory (CUDA-only) is decoded whole, updated per range and encoded back."""
+        if master.device.type == "cpu":
+            self.adam.step_segments_(master, grad, t["exp_avg"], t["exp_avg_sq"],
+                                     [(lo, hi, hyper(group)) for group, lo, hi in job.ranges],
+                                     out=out, grad_scale=job.grad_scale, seed=job.unit_index,
+                                     index=job.element_offset)
+            return
+        # CUDA-only: states in device memory
+        device_adamw_blocks_(master, grad, t["exp_avg"], t["exp_avg_sq"],
+                             [(lo, hi, hyper(group)) for group, lo, hi in job.ranges], out=out,
+                             grad_scale=job.grad_scale, seed=job.unit_index, index=job.element_offset)
 
     def _swap_out(self, job: ShardJob) -> list:
         """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""

@@ -62,6 +62,7 @@ from infinity.comm.unit_collectives import UnitCollectives
 from infinity.comm.zeropp import ZeroPlusPlus, set_node_layout
 from infinity.config import Config
 from infinity.optim.cpu_adam import write_param_
+from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import remainder_of
 from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
@@ -77,7 +78,7 @@ from infinity.zero.lifecycle import STEP_MOVES, StepPhase
 from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory, rss_bytes
-from infinity.zero.placement import MOMENT_DTYPES, Placement
+from infinity.zero.placement import Placement
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
 from infinity.zero.store_shard import store_shards
@@ -250,9 +251,9 @@ class ZeroEngine:
                 master = remainder_of(master)
             shard.put(TensorClass.MASTER, master if self.placement.optimizer is not None or
                       self.placement.split_master else master.clone())
-        moments = MOMENT_DTYPES[self.placement.moments_format]   # optimizer.moments
-        shard.put_zeros(TensorClass.EXP_AVG, unit.shard_numel, moments, self.device)
-        shard.put_zeros(TensorClass.EXP_AVG_SQ, unit.shard_numel, moments, self.device)
+        moments = moment_format(self.placement.moments_format)   # optimizer.moments
+        for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
+            shard.put_zeros(cls, unit.shard_numel, moments.dtype, self.device, layout=moments)
         unit.shard, unit.full_param = shard, full
         if self.policy.shard_params:
             self.gathers.release(unit)

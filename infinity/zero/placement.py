@@ -22,9 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from infinity.config import Config, ConfigError, format_size
+from infinity.optim.moment_codes import MOMENT_FORMATS
 from infinity.store import Tier
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
@@ -39,9 +38,10 @@ CHUNK_ALIGN_NUMEL = 4096
 RESIDENT_RESERVE_JOBS = 4
 
 OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
-# bytes per element of each Adam moment, by ``optimizer.moments``; the dtype it is stored in
-MOMENT_ITEMSIZES = {"fp32": 4, "bf16": 2}
-MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# bytes per element of each Adam moment, by ``optimizer.moments`` (int8: 65/64, a block's codes and its
+# scale; whole blocks give whole bytes, and every shard and chunk is whole blocks); the dtype it is stored in
+MOMENT_ITEMSIZES = {name: f.itemsize for name, f in MOMENT_FORMATS.items()}
+MOMENT_DTYPES = {name: f.dtype for name, f in MOMENT_FORMATS.items()}
 
 
 def store_key(unit_index: int, cls: TensorClass, chunk: int | None = None) -> str:
@@ -76,7 +76,7 @@ class Placement:
     host_resident: object = 0
     # ``optimizer.master``: "remainder" stores the fp32 master as an int16 remainder beside the bf16 parameter
     master_format: str = "fp32"
-    # ``optimizer.moments``: the stored dtype of Adam's two moments ("fp32" or "bf16")
+    # ``optimizer.moments``: the stored format of Adam's two moments ("fp32", "bf16" or "int8")
     moments_format: str = "fp32"
 
     @classmethod
@@ -150,7 +150,7 @@ class Placement:
         class of the chunk brought at once, in whole multiples of :data:`CHUNK_ALIGN_NUMEL` (direct I/O
         alignment for any dtype), at least one multiple."""
         per_element = sum(self.stored_itemsizes(stage, param_itemsize, reduce_itemsize).values()) or 1
-        return max(CHUNK_ALIGN_NUMEL, self.chunk_bytes // per_element // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
+        return max(CHUNK_ALIGN_NUMEL, int(self.chunk_bytes // per_element) // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
 
     def min_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
         """The least host and device tier budgets a training step needs with this placement:
@@ -192,12 +192,13 @@ class Placement:
         homed, worst, worst_unit, chunk_job = 0, 0, None, 0
         for u in units:
             job = one_chunk = 0
-            for cls, itemsize in sizes.items():
+            for cls, itemsize in sizes.items():   # int8 moments: 65/64 B, whole blocks give whole bytes
                 if self.home(cls) is Tier.HOST:
-                    homed += itemsize * u.shard_numel
+                    homed += int(itemsize * u.shard_numel)
                     continue
-                one_chunk += itemsize * min(u.shard_numel, chunk)
-                job += itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD else min(u.shard_numel, chunk))
+                one_chunk += int(itemsize * min(u.shard_numel, chunk))
+                job += int(itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD
+                                       else min(u.shard_numel, chunk)))
             chunk_job = max(chunk_job, one_chunk)
             if job > worst:
                 worst, worst_unit = job, u.name

@@ -39,6 +39,7 @@ import threading
 
 import torch
 
+from infinity.optim.moment_codes import FLAT_LAYOUT
 from infinity.store import BudgetError, TensorStore, Tier
 from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds, fold_owner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
@@ -57,25 +58,24 @@ class LentCopies:
 
     def __init__(self, store: TensorStore):
         self.store = store
-        self._lent: list = []   # (keys, bounds, tier, assembled tensor or None)
+        self._lent: list = []   # (keys, tier, each key's view of the assembled tensor, or None)
 
-    def add(self, keys: tuple, tier, bounds: list | None = None, assembled: torch.Tensor | None = None) -> None:
-        """One key lent as the store's own copy, or chunk keys lent as one ``assembled`` tensor
-        (``bounds[i]`` is key i's element range in it), copied back into the chunks on write-back."""
-        self._lent.append((keys, bounds, tier, assembled))
+    def add(self, keys: tuple, tier, pieces: list | None = None) -> None:
+        """One key lent as the store's own copy, or chunk keys lent as one assembled tensor
+        (``pieces[i]``: key i's part of it), copied back into the chunks on write-back."""
+        self._lent.append((keys, tier, pieces))
 
     def write_back(self) -> None:
         lent, self._lent = self._lent, []
-        for keys, bounds, tier, assembled in lent:
+        for keys, tier, pieces in lent:
             for i, key in enumerate(keys):
                 if key not in self.store:
                     continue   # released since (the engine closed)
-                if assembled is None:
+                if pieces is None:
                     self.store.mark_dirty(key, tier)
                 else:
-                    lo, hi = bounds[i]
                     with self.store.use(key, tier, dirty=True) as t:
-                        t.copy_(assembled[lo:hi])
+                        t.copy_(pieces[i])
                 if self.store.home(key) is not tier:
                     self.store.write_back(key)   # in the background; a later bring waits for it
 
@@ -98,6 +98,8 @@ class StoreUnitShard(UnitShard):
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
+        # TensorClass -> its stored layout (int8 moments: rows of blocks, moment_codes); others flat
+        self._layouts: dict = {}
 
     @property
     def chunked(self) -> bool:
@@ -106,6 +108,13 @@ class StoreUnitShard(UnitShard):
     def chunks(self) -> list:
         """Element ranges of the optimizer jobs this shard makes (one when not chunked)."""
         return list(self.bounds) if self.chunked else [None]
+
+    def _rows(self, cls: TensorClass, tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of a whole-shard tensor of ``cls`` (rows of blocks for int8 moments)."""
+        return self._layouts.get(cls, FLAT_LAYOUT).rows(tensor, lo, hi)
+
+    def _chunk_views(self, cls: TensorClass, tensor: torch.Tensor) -> list:
+        return [self._rows(cls, tensor, lo, hi) for lo, hi in self.bounds]
 
     def _chunk_keys(self, cls: TensorClass) -> tuple:
         if not self.chunked:
@@ -136,14 +145,18 @@ class StoreUnitShard(UnitShard):
         if self.placement.home(cls) is None:
             super().put(cls, tensor)
             return
-        self._register(cls, lambda lo, hi: tensor if lo is None else tensor[lo:hi])
+        self._register(cls, lambda lo, hi: tensor if lo is None else self._rows(cls, tensor, lo, hi))
 
-    def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device) -> None:
-        """Like ``put(cls, torch.zeros(...))`` without building the zeros in memory for stored classes."""
+    def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device, layout=None) -> None:
+        """Like ``put(cls, torch.zeros(...))`` without building the zeros in memory for stored classes;
+        ``layout`` (a :class:`~infinity.optim.moment_codes.MomentFormat`) shapes the stored tensor."""
+        layout = layout or FLAT_LAYOUT
+        if layout is not FLAT_LAYOUT:
+            self._layouts[cls] = layout
         if self.placement.home(cls) is None:
-            super().put(cls, torch.zeros(numel, dtype=dtype, device=device))
+            super().put_zeros(cls, numel, dtype, device, layout)
             return
-        self._register(cls, lambda lo, hi: (numel if lo is None else hi - lo,), dtype)
+        self._register(cls, lambda lo, hi: layout.shape(numel if lo is None else hi - lo), dtype)
 
     def alias(self, cls: TensorClass, same_as: TensorClass) -> None:
         """``cls`` is the very tensor of ``same_as`` (stored or not)."""
@@ -175,19 +188,20 @@ class StoreUnitShard(UnitShard):
             if lend:
                 self.lent.add(keys, tier)
             return tensor
-        tensor = self._assemble(keys, tier)
+        tensor = self._assemble(cls, keys, tier)
         if lend:
-            self.lent.add(keys, tier, self.bounds, tensor)
+            self.lent.add(keys, tier, self._chunk_views(cls, tensor))
         return tensor
 
-    def _assemble(self, keys: tuple, tier: Tier) -> torch.Tensor:
+    def _assemble(self, cls: TensorClass, keys: tuple, tier: Tier) -> torch.Tensor:
         """One tensor of every chunk, brought one at a time (each pinned only while it is copied)."""
         out = None
         for key, (lo, hi) in zip(keys, self.bounds):
             with self.store.use(key, tier) as t:
                 if out is None:
-                    out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
-                out[lo:hi].copy_(t)
+                    shape = self._layouts.get(cls, FLAT_LAYOUT).shape(self.bounds[-1][1])
+                    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+                self._rows(cls, out, lo, hi).copy_(t)
         return out
 
     def has(self, cls: TensorClass) -> bool:
@@ -209,9 +223,9 @@ class StoreUnitShard(UnitShard):
         self.lent.write_back()
         tier = self.placement.work_tier(cls)
         if self.chunked:
-            t = self._assemble(keys, tier)
+            t = self._assemble(cls, keys, tier)
             yield t
-            self.lent.add(keys, tier, self.bounds, t)
+            self.lent.add(keys, tier, self._chunk_views(cls, t))
             self.lent.write_back()
             return
         with self.store.use(keys[0], tier, dirty=True) as t:
@@ -233,7 +247,7 @@ class StoreUnitShard(UnitShard):
         for c, (key, (lo, hi)) in enumerate(zip(keys, bounds)):
             if key in self.store:
                 self.store.release(key)
-            part = tensor if not self.chunked else tensor[lo:hi]
+            part = tensor if not self.chunked else self._rows(cls, tensor, lo, hi)
             futures.append(self.store.register(key, part, home=self._home(cls, c), copy_async=True))
         return futures[0] if len(futures) == 1 else _all_of(futures)
 
@@ -405,7 +419,7 @@ class StoreUnitShard(UnitShard):
         if not self.chunked:
             return tensor
         lo, hi = self.bounds[chunk]
-        return tensor[lo:hi]
+        return self._rows(cls, tensor, lo, hi)
 
     def write_back_lent(self) -> None:
         self.lent.write_back()

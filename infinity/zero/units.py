@@ -195,8 +195,11 @@ class UnitShard:
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
         self._tensors[cls] = tensor
 
-    def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device) -> None:
-        self._tensors[cls] = torch.zeros(numel, dtype=dtype, device=device)
+    def put_zeros(self, cls: TensorClass, numel: int, dtype: torch.dtype, device, layout=None) -> None:
+        """Zeros for ``numel`` elements; ``layout`` (a :class:`~infinity.optim.moment_codes.MomentFormat`:
+        int8 moments are rows of blocks) gives the tensor's shape, else flat."""
+        shape = layout.shape(numel) if layout is not None else (numel,)
+        self._tensors[cls] = torch.zeros(shape, dtype=dtype, device=device)
 
     def alias(self, cls: TensorClass, same_as: TensorClass) -> None:
         """``cls`` is the very tensor of ``same_as``."""

@@ -67,6 +67,7 @@ class ShardUpdate:
         self._forward_wait_s = 0.0
         self._launched_jobs: dict = {}   # next_forward: unit index -> the job names step() launched for it
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
+        self.blocked_moments = cfg.moments == "int8"    # each job's moments are int8 rows of blocks
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
         self._post_gathers: collections.deque = collections.deque()
@@ -219,7 +220,9 @@ class ShardUpdate:
                 None if alias else s.job_field(TensorClass.PARAM, c),
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
                 on_done, grad_scale=grad_scale, discard=s.consumed_after_update(c),
-                drop=s.dropped_after_update(c), master_is_remainder=self.split_master))
+                drop=s.dropped_after_update(c), master_is_remainder=self.split_master,
+                moments_blocked=self.blocked_moments, unit_index=unit.index,
+                element_offset=self.shard_rank * unit.shard_numel + lo))
             self._owner[jobs[-1].name] = unit
         return jobs
 

@@ -322,18 +322,19 @@ def test_manifest_paths_stay_inside(saved, tmp_path):
         Checkpoint(step)
 
 
-def test_format_versions_1_and_2_are_read_and_others_refused_by_name(saved, tmp_path):
-    """Version 2 (per-tensor moment dtypes) reads version 1's all-fp32 checkpoints, whose files are the same;
-    any other version is refused in one line that names it and the versions this infinity reads."""
+def test_format_versions_1_to_3_are_read_and_others_refused_by_name(saved, tmp_path):
+    """Version 3 (per-tensor moment formats, int8 ones with their scales) reads versions 1 and 2, whose files
+    for fp32 moments are the same; any other version is refused in one line that names it and the versions
+    this infinity reads."""
     step = _copy(saved, "s3", tmp_path)
     manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["format_version"] == 2 and set(manifest["shard_tensor_dtypes"].values()) == {"F32"}
-    for version in (1, 2):
+    assert manifest["format_version"] == 3 and set(manifest["shard_tensor_dtypes"].values()) == {"F32"}
+    for version in (1, 2, 3):
         (step / "manifest.json").write_text(json.dumps(dict(manifest, format_version=version)))
         model, opt, _ = build(SPECS["s3"])
         load_checkpoint(step, model, opt)
-    (step / "manifest.json").write_text(json.dumps(dict(manifest, format_version=3)))
-    with pytest.raises(CheckpointError, match=r"format version 3, this version of infinity reads 1 and 2"):
+    (step / "manifest.json").write_text(json.dumps(dict(manifest, format_version=4)))
+    with pytest.raises(CheckpointError, match=r"format version 4, this version of infinity reads 1, 2 and 3"):
         Checkpoint(step)
 
 

@@ -42,8 +42,9 @@ def test_store_keys_are_per_unit_and_class():
 
 
 def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
-    """optimizer.master remainder stores 2 B of master per element, moments bf16 2 B each: the byte
-    accounting, the chunk size that fits offload.chunk_bytes and the host minimum all follow."""
+    """optimizer.master remainder stores 2 B of master per element, moments bf16 2 B each and int8 65/64
+    (whole bytes for whole blocks): the byte accounting, the chunk size that fits offload.chunk_bytes and
+    the host minimum all follow."""
     from types import SimpleNamespace
 
     def placement(master, moments):
@@ -54,7 +55,7 @@ def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
             "tiers": {"nvme_path": "/tmp/unused"}}))
 
     want = {("fp32", "fp32"): (4, 4), ("remainder", "fp32"): (2, 4), ("fp32", "bf16"): (4, 2),
-            ("remainder", "bf16"): (2, 2)}
+            ("remainder", "bf16"): (2, 2), ("remainder", "int8"): (2, 65 / 64)}
     units = [SimpleNamespace(index=0, name="u0", shard_numel=4096 * 100, is_root=False)]
     for (master, moments), (master_b, moment_b) in want.items():
         pl = placement(master, moments)
@@ -63,7 +64,7 @@ def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
                          TensorClass.EXP_AVG_SQ: moment_b, TensorClass.GRAD: 4}, (master, moments)
         per_element = 2 + master_b + 2 * moment_b + 4
         chunk = pl.chunk_numel(3, 2, 4)
-        assert chunk == 4096 * 64 // per_element // 4096 * 4096
+        assert chunk == int(4096 * 64 // per_element) // 4096 * 4096
         host, _ = pl.min_budgets(units, 3, 2, 4)[Tier.HOST]
         # host-homed gradients + one job of the NVMe-homed classes, one chunk each
-        assert host == 4 * 4096 * 100 + (per_element - 4) * chunk
+        assert host == 4 * 4096 * 100 + (per_element - 4) * chunk and isinstance(host, int)
