@@ -151,7 +151,8 @@ def _print_formats(rows: list, num_params: int, devices: int) -> None:
                                                                           "optimizer_read", "optimizer_write")),
                       _size(-(-num_params // devices) * r["nvme"])))
     _print_table(table)
-    print("remainder: exact (bitwise the fp32 master's training); bf16 moments: lossy (README: convergence)")
+    print("remainder: exact (bitwise the fp32 master's training); bf16 and int8 moments: lossy (README: "
+          "convergence); int8 is 65/64 B a moment: a block of 256 codes and its fp32 scale")
 
 
 def _print_table(table: list) -> None:

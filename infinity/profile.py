@@ -63,6 +63,7 @@ from infinity.io.buffers import tensor_bytes_view
 from infinity.io.new_files import replaced
 from infinity.io.syscalls import O_DIRECT
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
+from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import split_bf16_
 
 __all__ = [
@@ -472,7 +473,8 @@ def measure_cpu_adam(numel: int, repeats: int = 3, threads: int | None = None) -
 def format_states(master_fp32: torch.Tensor, master: str, moments: str) -> tuple:
     """``(param, exp_avg, exp_avg_sq, out)`` for :meth:`CpuAdamW.step_` with states stored as
     ``optimizer.master`` / ``optimizer.moments`` say: the master as given (a copy) or its int16
-    remainder beside ``out``, its bf16 parameter; zeroed moments in fp32 or bf16."""
+    remainder beside ``out``, its bf16 parameter; zeroed moments in their stored format (fp32, bf16, or
+    int8's rows of blocks)."""
     numel = master_fp32.numel()
     out = torch.empty(numel, dtype=torch.bfloat16)
     if master == "remainder":
@@ -480,8 +482,8 @@ def format_states(master_fp32: torch.Tensor, master: str, moments: str) -> tuple
         split_bf16_(master_fp32, out, param)
     else:
         param = master_fp32.clone()
-    dtype = torch.float32 if moments == "fp32" else torch.bfloat16
-    return param, torch.zeros(numel, dtype=dtype), torch.zeros(numel, dtype=dtype), out
+    fmt = moment_format(moments)
+    return param, *(torch.zeros(fmt.shape(numel), dtype=fmt.dtype) for _ in range(2)), out
 
 
 def measure_adam_formats(param: torch.Tensor, grad: torch.Tensor, repeats: int, threads: int | None) -> dict:

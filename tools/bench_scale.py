@@ -150,7 +150,7 @@ def disk_need(a) -> dict:
     sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
     per_param = sum(n for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
-    ours = a.n_params * per_param + GIB   # the swap file grows in steps of up to 1 GiB
+    ours = int(a.n_params * per_param) + GIB   # the swap file grows in steps of up to 1 GiB (int8: 65/64 B)
     peer = a.n_params * 18 if a.peer else 0      # DeepSpeed: bf16 params, fp32 master, m, v and grads
     return {"infinity_swap": ours, "deepspeed_swap": peer, "disk_test": 2 * a.disk_bytes,
             "total": max(ours, peer, 2 * a.disk_bytes) + 4 * GIB}

@@ -65,6 +65,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from infinity.optim.moment_codes import MOMENT_FORMATS
+
 __all__ = [
     "StateBytes", "MIXED", "FP32", "Placement", "STRATEGIES", "MemoryEstimate", "CommEstimate", "Estimate",
     "estimate", "estimate_all", "estimate_config", "parse_param_count", "count_params", "state_bytes",
@@ -93,7 +95,8 @@ MIXED = StateBytes(param=2, grad=2, optimizer=12)   # fp16/bf16 param + grad; fp
 FP32 = StateBytes(param=4, grad=4, optimizer=8)     # fp32 param (= master) + grad; fp32 m, v
 _PRECISIONS = {"mixed": MIXED, "fp32": FP32}
 MASTER_BYTES = {"fp32": 4, "remainder": 2}   # optimizer.master: bytes per parameter stored
-MOMENT_BYTES = {"fp32": 4, "bf16": 2}        # optimizer.moments: bytes per parameter, each moment
+# optimizer.moments: bytes per parameter, each moment (int8: 65/64, a block of 256 codes and its fp32 scale)
+MOMENT_BYTES = {name: f.itemsize for name, f in MOMENT_FORMATS.items()}
 
 
 def state_bytes(precision: str = "mixed", master: str = "fp32", moments: str = "fp32") -> StateBytes:

@@ -40,7 +40,7 @@ __all__ = ["PlanRequest", "Plan", "Choice", "InfeasiblePlan", "DIMENSIONS", "mak
 _MiB = 2**20
 TIERS = ("none", "host", "nvme")
 # knob -> the values tried; "section.key". optimizer.master remainder is exact, so it is tried (the config
-# refuses it but for bf16 parameters); lossy moments (bf16) are planned only when asked for,
+# refuses it but for bf16 parameters); lossy moments (bf16, int8) are planned only when asked for,
 # ``--fix optimizer.moments=bf16``. Where overlap_backward overlaps is the config's overlap_mode auto
 # (next_forward with clipping or fp16), which the cost model follows.
 DIMENSIONS = {

@@ -110,7 +110,7 @@ def check_fresh_save_dir(save_dir: str) -> None:
 def checkpoint_bytes(num_params: int, moments: str = "fp32") -> int:
     """About what one checkpoint of ``num_params`` parameters takes on disk: fp32 master weights and both
     Adam moments as they are stored (``optimizer.moments``: 12 bytes a parameter with fp32 moments, 8 with
-    bf16, over all ranks together), plus 1% and 1 MiB for padding, buffers and the JSON files."""
+    bf16, 6.03 with int8, over all ranks together), plus 1% and 1 MiB for padding, buffers and the JSON files."""
     per_param = 4 + 2 * MOMENT_ITEMSIZES[moments]
     return int(per_param * num_params * 1.01) + 2**20
 

@@ -147,8 +147,9 @@ def test_properties_any_size(psi, n, precision):
 
 
 def test_stored_formats_shrink_the_optimizer_state():
-    """A remainder master is 2 B/param, bf16 moments 2 B each: 12 B of mixed-precision optimizer state
-    becomes 10, 8 or 6; fp32 parameters are their own master; the config's formats reach its estimate."""
+    """A remainder master is 2 B/param, bf16 moments 2 B each, int8 ones 65/64 B (a block's codes and scale):
+    12 B of mixed-precision optimizer state becomes 10, 8, 6 or 4 + 1/32; fp32 parameters are their own
+    master; the config's formats reach its estimate."""
     from infinity.estimate.strategies import estimate_config, format_rows, state_bytes
 
     assert state_bytes("mixed") == MIXED and state_bytes("fp32") == FP32
@@ -156,10 +157,12 @@ def test_stored_formats_shrink_the_optimizer_state():
     assert state_bytes("mixed", "fp32", "bf16").optimizer == 8
     assert state_bytes("mixed", "remainder", "bf16").total == 10
     assert state_bytes("fp32", "fp32", "bf16") == type(FP32)(4, 4, 4)
+    assert state_bytes("mixed", "remainder", "int8").optimizer == 2 + 2 * 65 / 64
     with pytest.raises(ValueError, match="remainder master needs mixed"):
         state_bytes("fp32", "remainder")
     rows = {(r["master"], r["moments"]): r for r in format_rows("mixed")}
     assert rows[("fp32", "fp32")]["nvme"] == 14 and rows[("remainder", "bf16")]["nvme"] == 8
+    assert rows[("remainder", "int8")]["nvme"] == 6 + 1 / 32 and rows[("fp32", "int8")]["optimizer_read"] == 6 + 1 / 32
     # the remainder's update reads the bf16 parameter it joins, which the fp32 master's only writes
     assert rows[("remainder", "fp32")]["optimizer_read"] == 12 and rows[("remainder", "fp32")]["optimizer_write"] == 12
     cfg = Config.from_dict({"zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
@@ -168,3 +171,6 @@ def test_stored_formats_shrink_the_optimizer_state():
                             "tiers": {"nvme_path": "/tmp/unused"}})
     e = estimate_config(cfg, 1000, 1)
     assert e.memory.nvme_bytes == 1000 * 8 and e.memory.host_bytes == 1000 * 2
+    e = estimate_config(Config.from_dict({**cfg.to_dict(), "optimizer": {"master": "remainder", "moments": "int8"}}),
+                        1024, 1)
+    assert e.memory.nvme_bytes == 1024 * 6 + 32

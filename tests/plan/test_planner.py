@@ -255,3 +255,7 @@ def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_momen
     lossy = make_plan(PlanRequest(**{**req.__dict__, "fixed": {"optimizer.moments": "bf16"}}),
                       rates(read_gbps=0.05, write_gbps=0.05, adam_formats=fast), compute(2))
     assert lossy.chosen.config.optimizer.moments == "bf16"
+    fast["remainder/int8"] = {"params_per_s": 4e8}
+    int8 = make_plan(PlanRequest(**{**req.__dict__, "fixed": {"optimizer.moments": "int8"}}),
+                     rates(read_gbps=0.05, write_gbps=0.05, adam_formats=fast), compute(2))
+    assert int8.chosen.config.optimizer.moments == "int8"

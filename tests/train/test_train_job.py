@@ -169,9 +169,10 @@ def test_sample_command(tmp_path, capsys):
 
 
 def test_the_save_room_check_counts_the_moments_as_they_are_saved():
-    """A checkpoint holds the fp32 master and each moment in its stored dtype (bf16 moments: 2 B each), so
-    the free-space check before training asks for 8 B/param with bf16 moments, 12 with fp32."""
+    """A checkpoint holds the fp32 master and each moment in its stored format (bf16 moments: 2 B each, int8
+    65/64), so the free-space check before training asks for 8 B/param with bf16 moments, 12 with fp32."""
     from infinity.train.job_state import checkpoint_bytes
     n = 10**8
     assert checkpoint_bytes(n) == int(12 * n * 1.01) + 2**20
     assert checkpoint_bytes(n, "bf16") == int(8 * n * 1.01) + 2**20
+    assert checkpoint_bytes(n, "int8") == int((4 + 2 * 65 / 64) * n * 1.01) + 2**20   # codes + a scale per 256
