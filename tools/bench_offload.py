@@ -2,6 +2,7 @@
 
     python tools/bench_offload.py --json [--dir DIR] [--optim-numel 32M] [--skip-zero3] [--only SECTION]
     python tools/bench_offload.py --only formats --reps 5           # the stored formats' CPU Adam cost
+    python tools/bench_offload.py --only quantizers --reps 5        # int8 moments' code vs torchao / bitsandbytes
 
 1. ``optimizer``: one optimizer step with fp32 master / m / v and the gradient on NVMe and the
    bf16 parameter written back too (``AdamPipeline``, host budget of ~3 shards), against
@@ -14,8 +15,12 @@
    followed by the bf16 copy, on the same shard sizes (same threads: torch's intra-op pool).
    Target: torch / ours >= 1.0.
 2b. ``formats``: ``CpuAdamW`` per stored format (``optimizer.master`` fp32 | remainder x ``moments``
-   fp32 | bf16), time per element against fp32 master + fp32 moments on the same shards.
+   fp32 | bf16 | int8), time per element against fp32 master + fp32 moments on the same shards.
    Target: each format's conversions add <= 25% to the fp32 update's time.
+2c. ``quantizers``: the int8 moments' block code (:mod:`infinity.optim.moment_codes`: encode with
+   stochastic rounding, decode) against torchao's dynamic-code 8-bit quantizer (the one its AdamW8bit
+   runs, blocks of 256) and bitsandbytes' blockwise quantizer, where installed, on the same Adam-like
+   tensor and one thread: ns per element each way, and the round trip's median relative error.
 3. ``zero3``: GPT trained at stage 3 with params, gradients (``--grads``) and optimizer on NVMe
    against the same model fully in memory (stage 3, no offload), one process each (world size 1),
    median step time after a warm-up step, per-phase times, and each process's peak RSS beside the
@@ -54,6 +59,87 @@ from infinity.optim.pipeline import AdamPipeline, ShardJob  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+# ---------------------------------------------------------------- 2c. the int8 moments' code
+
+
+def bench_quantizers(numel: int, reps: int) -> dict:
+    """ns per element to quantize and dequantize an Adam first moment (blocks of 256, one thread), ours
+    against torchao's and bitsandbytes' where they import, and the median relative error of a round trip
+    over elements within 1/64 of their block's largest (where every code keeps its precision). Each runs
+    over the tensor in pieces of CPU Adam's work chunk (256K elements, cache-sized), as CpuAdamW calls
+    ours."""
+    from infinity.optim.moment_codes import BLOCK, MOMENT_FORMATS, decode_, dither, encode_
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    numel = numel // BLOCK * BLOCK
+    # Adam-like: gradients whose scale varies over six decades from one parameter to the next
+    x = torch.randn(numel, generator=g) * torch.logspace(-6, 0, numel)[torch.randperm(numel, generator=g)]
+    top = x.view(-1, BLOCK).abs().amax(1, keepdim=True)
+    judged = (x.view(-1, BLOCK).abs() >= top / 64).view(-1)
+
+    piece = 256 * 1024
+    spans = [(lo, min(numel, lo + piece)) for lo in range(0, numel, piece)]
+
+    def timed(fn) -> float:   # fn(lo, hi) over each piece
+        ts = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            for lo, hi in spans:
+                fn(lo, hi)
+            if rep:   # the first is a warm-up
+                ts.append(time.perf_counter() - t0)
+        return statistics.median(ts) / numel * 1e9
+
+    def error(back) -> float:
+        return float(((back - x).abs() / x.abs())[judged].median())
+
+    rows = {}
+    packed = torch.zeros(MOMENT_FORMATS["int8"].shape(numel), dtype=torch.uint8)
+    work, out = torch.empty(piece), torch.empty(numel)
+
+    def ours(lo, hi, noise):
+        encode_(work[:hi - lo].copy_(x[lo:hi]), packed[lo // BLOCK:hi // BLOCK], root=False,
+                dither=dither(0, 1, 0, lo, hi - lo) if noise else None)
+
+    for name, noise in (("infinity", True), ("infinity-nearest", False)):
+        enc = timed(lambda lo, hi: ours(lo, hi, noise))
+        dec = timed(lambda lo, hi: decode_(packed[lo // BLOCK:hi // BLOCK], out[lo:hi], squared=False))
+        for lo, hi in spans:
+            ours(lo, hi, noise)
+        rows[name] = {"quantize_ns": enc, "dequantize_ns": dec, "median_rel_error": error(decode_(packed, out, False))}
+    try:
+        from torchao.optim.quant_utils import create_dynamic_map, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
+        qmap = torch.tensor(create_dynamic_map(signed=True))
+        ao = {}
+
+        def ao_quantize(lo, hi):
+            scaled, scale = scale_tensor(x[lo:hi], BLOCK)
+            ao[lo] = (quantize_8bit_with_qmap(scaled, qmap), scale)
+        rows["torchao"] = {"quantize_ns": timed(ao_quantize),
+                           "dequantize_ns": timed(lambda lo, hi: dequant_with_qmap(*ao[lo][:1], qmap, ao[lo][1])),
+                           "median_rel_error": error(torch.cat([dequant_with_qmap(ao[lo][0], qmap, ao[lo][1])
+                                                                for lo, _ in spans]))}
+    except ImportError as e:
+        rows["torchao"] = {"skipped": f"not installed ({e})"}
+    try:
+        import bitsandbytes.functional as bnb
+        qb = {}
+
+        def bnb_quantize(lo, hi):
+            qb[lo] = bnb.quantize_blockwise(x[lo:hi], blocksize=BLOCK)
+        rows["bitsandbytes"] = {"quantize_ns": timed(bnb_quantize),
+                                "dequantize_ns": timed(lambda lo, hi: bnb.dequantize_blockwise(*qb[lo])),
+                                "median_rel_error": error(torch.cat([bnb.dequantize_blockwise(*qb[lo])
+                                                                     for lo, _ in spans]))}
+    except Exception as e:   # not installed, or no CPU backend in this build
+        rows["bitsandbytes"] = {"skipped": f"{type(e).__name__}: {str(e)[:200]}"}
+    torch.set_num_threads(prev)
+    return {"numel": numel, "reps": reps, "threads": 1, "block": BLOCK, "rows": rows,
+            "baseline": "torchao's / bitsandbytes' blockwise 8-bit quantizer on the same tensor, same thread"}
 
 
 # ---------------------------------------------------------------- 1. the optimizer step on NVMe
@@ -218,7 +304,8 @@ def bench_adam(shard_numel: int, shards: int, threads: int, reps: int) -> dict:
 
 # ---------------------------------------------------------------- 2b. CPU Adam per stored format
 
-FORMATS = (("fp32", "fp32"), ("remainder", "fp32"), ("fp32", "bf16"), ("remainder", "bf16"))
+FORMATS = (("fp32", "fp32"), ("remainder", "fp32"), ("fp32", "bf16"), ("remainder", "bf16"), ("fp32", "int8"),
+           ("remainder", "int8"))
 
 
 def bench_formats(shard_numel: int, shards: int, threads: int, reps: int) -> dict:
@@ -351,7 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=default_adam_threads())
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-zero3", action="store_true")
-    ap.add_argument("--only", choices=("adam", "formats", "optimizer", "zero3"), help="run one section")
+    ap.add_argument("--only", choices=("adam", "formats", "quantizers", "optimizer", "zero3"), help="run one section")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=8192)
@@ -378,6 +465,8 @@ def main(argv=None) -> int:
         if want("formats"):
             result["formats"] = bench_formats(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
                                               args.threads, args.reps)
+        if want("quantizers"):
+            result["quantizers"] = bench_quantizers(args.shard_numel, args.reps)
         if want("optimizer"):
             result["optimizer"] = bench_optimizer(root, args.optim_numel, args.shard_numel, args.threads, args.reps)
         if want("zero3") and not args.skip_zero3:

@@ -1,4 +1,4 @@
-"""Adam moments' stored format and convergence: the built-in GPT on real text with fp32, then bf16 moments.
+"""Adam moments' stored format and convergence: the built-in GPT on real text with fp32, bf16 and int8 moments.
 
 Runs ``infinity train`` (world size 1, stage 1, the optimizer's update through CPU Adam) once per
 moment format in ``infinity.config.MOMENT_FORMATS`` with the same seed, data, batches and schedule,
@@ -10,6 +10,11 @@ curves to ``--out``/moments_convergence.png and .json.
 
     python tools/moments_convergence.py --out /tmp/conv             # the defaults below
     python tools/moments_convergence.py --steps 20 --out /tmp/conv  # a quick look
+    python tools/moments_convergence.py --jobs 2 --out /tmp/conv    # two runs at once, one core each
+
+``--jobs N`` runs N of the runs at once, each pinned to its own share of the cores (``infinity train``
+sizes its threads from its CPU affinity): the runs are independent, so their losses are the same as
+run one by one, and only the wall time changes.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
@@ -28,7 +34,7 @@ from infinity.config import MOMENT_FORMATS
 TARGETS = {"bf16": 0.005, "int8": 0.01}   # final validation loss vs fp32's, relative
 
 
-def _run(name: str, moments: str, seed: int, args) -> dict:
+def _run(name: str, moments: str, seed: int, args, cores=None) -> dict:
     cfg = {"zero": {"stage": 1}, "precision": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
            "optimizer": {"lr": args.lr, "moments": moments}}
     cfg_path = os.path.join(args.out, f"{name}.yaml")
@@ -44,7 +50,8 @@ def _run(name: str, moments: str, seed: int, args) -> dict:
            "--json", "--seed", str(seed), "--lr-schedule", "cosine", "--warmup-steps", str(max(1, args.steps // 20)),
            "--min-lr", str(args.lr / 10)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pin)
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: infinity train exited {proc.returncode}:\n{proc.stderr[-4000:]}")
     summary = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -89,15 +96,29 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", choices=[m for m in MOMENT_FORMATS if m != "fp32"],
                    help="run only these low-precision formats (the fp32 runs always run)")
     p.add_argument("--out", required=True, help="directory for configs, metrics, the PNG and the JSON")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each on its own share of the cores")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
 
     plan = [("fp32", "fp32", 0), ("fp32-seed1", "fp32", 1)]
     plan += [(m, m, 0) for m in MOMENT_FORMATS if m != "fp32" and (not args.only or m in args.only)]
-    runs = {}
-    for name, moments, seed in plan:
-        runs[name] = _run(name, moments, seed, args)
-        print(f"{name}: val {runs[name]['val_loss']:.4f} in {runs[name]['wall_s']:.0f}s", flush=True)
+    cores = sorted(os.sched_getaffinity(0))
+    jobs = max(1, min(args.jobs, len(cores), len(plan)))
+    shares = [set(cores[i::jobs]) for i in range(jobs)] if jobs > 1 else [None]
+    free = list(shares)
+
+    def one(item):
+        name, moments, seed = item
+        share = free.pop()
+        try:
+            r = _run(name, moments, seed, args, share)
+        finally:
+            free.append(share)
+        print(f"{name}: val {r['val_loss']:.4f} in {r['wall_s']:.0f}s", flush=True)
+        return name, r
+
+    with ThreadPoolExecutor(jobs) as pool:
+        runs = dict(pool.map(one, plan))
     base = runs["fp32"]["val_loss"]
     spread = runs["fp32-seed1"]["val_loss"] / base - 1
     for name, r in runs.items():
