@@ -1,7 +1,8 @@
 """A world of N real processes (gloo), started once and reused for many cases.
 
-Spawning a rank costs seconds (importing torch), so a :class:`World` keeps its
-ranks alive and runs one case after another in them: ``world.run(fn, *args)``
+Starting a rank costs seconds (importing torch), so ranks are forked from one
+fork server that imported torch once for the session, and a :class:`World` keeps
+its ranks alive and runs one case after another in them: ``world.run(fn, *args)``
 sends the picklable top-level function ``fn`` to every rank, runs it there
 (with ``torch.distributed`` initialized, ``torch.set_num_threads(1)``) and
 returns the list of per-rank results. A rank that raises comes back as a
@@ -68,6 +69,18 @@ def _rank_main(rank: int, world_size: int, init_file: str, sys_path: list, conn)
         pass
 
 
+def _context():
+    """The start method for ranks: a fork server that has imported torch once.
+
+    Each spawned rank would import torch afresh (seconds on a small machine, for every rank of
+    every world); the fork server imports it once for the whole test session and forks each rank
+    from there, so a rank still starts as a fresh process with nothing of the parent's state.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "world"])
+    return ctx
+
+
 class World:
     def __init__(self, world_size: int, tmp_dir, timeout_s: float = 120.0):
         self.world_size = world_size
@@ -83,7 +96,7 @@ class World:
         self.close()
         self._generation += 1
         init_file = self.tmp_dir / f"init-{self._generation}"
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, args=(rank, self.world_size, str(init_file), list(sys.path), child),
