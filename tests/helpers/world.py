@@ -163,6 +163,8 @@ class World:
                     errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
         if errors or len(results) < self.world_size:
             hung = [r for r in range(self.world_size) if r not in results and r not in errors]
+            for r in hung:   # it reads no message, so close() would wait its 5 s for nothing
+                self._procs[r].kill()
             self.close()  # the process group is unusable now; the next run() starts a fresh world
             parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
             parts += [f"--- rank {r} gave no answer within {timeout_s:.0f}s (killed)" for r in hung]
