@@ -4,7 +4,8 @@ Starting a rank costs seconds (importing torch), so ranks are forked from one
 fork server that imported torch once for the session, and a :class:`World` keeps
 its ranks alive and runs one case after another in them: ``world.run(fn, *args)``
 sends the picklable top-level function ``fn`` to every rank, runs it there
-(with ``torch.distributed`` initialized, ``torch.set_num_threads(1)``) and
+(with ``torch.distributed`` initialized, one thread: ``torch.set_num_threads(1)``,
+``OMP_NUM_THREADS=1``) and
 returns the list of per-rank results. A rank that raises comes back as a
 :class:`RankFailure` carrying that rank's traceback; a rank that does not answer
 within the timeout is killed, and the whole world is restarted on the next
@@ -44,7 +45,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, sys_path: list, conn)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # and OMP_NUM_THREADS says so to libraries that set torch's threads from it (accelerate sets 2 when it
+    # is unset): ranks sharing a small machine's cores then do not spin against each other
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         conn.send(("ready", None))
