@@ -72,15 +72,21 @@ def _rank_main(rank: int, world_size: int, init_file: str, sys_path: list, conn)
         pass
 
 
+# What the fork server imports once, so that no rank imports it again: torch, and the transformers
+# modules the Hugging Face cases use (seconds each, in every rank of every world that builds one).
+_PRELOAD = ["torch", "torch.distributed", "world", "transformers", "transformers.trainer",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+
+
 def _context():
-    """The start method for ranks: a fork server that has imported torch once.
+    """The start method for ranks: a fork server that has imported torch (and ``_PRELOAD``) once.
 
     Each spawned rank would import torch afresh (seconds on a small machine, for every rank of
     every world); the fork server imports it once for the whole test session and forks each rank
     from there, so a rank still starts as a fresh process with nothing of the parent's state.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "world"])
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
