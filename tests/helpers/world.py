@@ -1,9 +1,11 @@
 """A world of N real processes (gloo), started once and reused for many cases.
 
-Spawning a rank costs seconds (importing torch), so a :class:`World` keeps its
-ranks alive and runs one case after another in them: ``world.run(fn, *args)``
+Starting a rank costs seconds (importing torch), so ranks are forked from one
+fork server that imported torch once for the session, and a :class:`World` keeps
+its ranks alive and runs one case after another in them: ``world.run(fn, *args)``
 sends the picklable top-level function ``fn`` to every rank, runs it there
-(with ``torch.distributed`` initialized, ``torch.set_num_threads(1)``) and
+(with ``torch.distributed`` initialized, one thread: ``torch.set_num_threads(1)``,
+``OMP_NUM_THREADS=1``) and
 returns the list of per-rank results. A rank that raises comes back as a
 :class:`RankFailure` carrying that rank's traceback; a rank that does not answer
 within the timeout is killed, and the whole world is restarted on the next
@@ -43,7 +45,9 @@ def _rank_main(rank: int, world_size: int, init_file: str, sys_path: list, conn)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # and OMP_NUM_THREADS says so to libraries that set torch's threads from it (accelerate sets 2 when it
+    # is unset): ranks sharing a small machine's cores then do not spin against each other
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         conn.send(("ready", None))
@@ -68,6 +72,24 @@ def _rank_main(rank: int, world_size: int, init_file: str, sys_path: list, conn)
         pass
 
 
+# What the fork server imports once, so that no rank imports it again: torch, and the transformers
+# modules the Hugging Face cases use (seconds each, in every rank of every world that builds one).
+_PRELOAD = ["torch", "torch.distributed", "world", "transformers", "transformers.trainer",
+            "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+
+
+def _context():
+    """The start method for ranks: a fork server that has imported torch (and ``_PRELOAD``) once.
+
+    Each spawned rank would import torch afresh (seconds on a small machine, for every rank of
+    every world); the fork server imports it once for the whole test session and forks each rank
+    from there, so a rank still starts as a fresh process with nothing of the parent's state.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 class World:
     def __init__(self, world_size: int, tmp_dir, timeout_s: float = 120.0):
         self.world_size = world_size
@@ -83,7 +105,7 @@ class World:
         self.close()
         self._generation += 1
         init_file = self.tmp_dir / f"init-{self._generation}"
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_rank_main, args=(rank, self.world_size, str(init_file), list(sys.path), child),
@@ -150,6 +172,8 @@ class World:
                     errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
         if errors or len(results) < self.world_size:
             hung = [r for r in range(self.world_size) if r not in results and r not in errors]
+            for r in hung:   # it reads no message, so close() would wait its 5 s for nothing
+                self._procs[r].kill()
             self.close()  # the process group is unusable now; the next run() starts a fresh world
             parts = [f"--- rank {r} raised:\n{tb}" for r, tb in sorted(errors.items())]
             parts += [f"--- rank {r} gave no answer within {timeout_s:.0f}s (killed)" for r in hung]
