@@ -119,7 +119,7 @@ def test_an_int8_update_is_the_fp32_kernel_between_a_decode_and_an_encode(master
     rounding of the job's elements (unit seed, step, element index): bitwise what a reference doing that
     by hand on the whole job gives, at 1 and 2 threads and any work-chunk size; elements in no segment
     keep their parameter and moments. With a split master the bf16 parameter is read and written."""
-    from infinity.optim.split_master import join_bf16_, split_bf16_
+    from infinity.optim.split_master import join_bf16_
 
     numel, steps = 3 * 4096 + 2 * BLOCK, 4
     torch.manual_seed(2)
@@ -129,14 +129,7 @@ def test_an_int8_update_is_the_fp32_kernel_between_a_decode_and_an_encode(master
     cuts = [(0, 5056, 0.1), (5056, numel - 320, 0.0)]
 
     def run(threads: int, chunk_numel: int):
-        out = master32.to(torch.bfloat16)
-        if master == "remainder":
-            param = torch.empty(numel, dtype=torch.int16)
-            split_bf16_(master32, out, param)
-        else:
-            param = master32.clone()
-        m = torch.zeros(INT8.shape(numel), dtype=torch.uint8)
-        v = torch.zeros_like(m)
+        param, m, v, out = _initial_states(master32, master)
         adam = CpuAdamW(threads=threads, chunk_numel=chunk_numel)
         for step, g in enumerate(grads, start=1):
             segments = [(lo, hi, dict(HYPER, step=step, weight_decay=wd)) for lo, hi, wd in cuts]
@@ -146,14 +139,7 @@ def test_an_int8_update_is_the_fp32_kernel_between_a_decode_and_an_encode(master
         return fp32, m, v, out
 
     # the reference: decode, run each segment through the fp32 path, encode
-    ref_out = master32.to(torch.bfloat16)
-    if master == "remainder":
-        ref_p = torch.empty(numel, dtype=torch.int16)
-        split_bf16_(master32, ref_out, ref_p)
-    else:
-        ref_p = master32.clone()
-    ref_m = torch.zeros(INT8.shape(numel), dtype=torch.uint8)
-    ref_v = torch.zeros_like(ref_m)
+    ref_p, ref_m, ref_v, ref_out = _initial_states(master32, master)
     plain = CpuAdamW(threads=1)
     for step, g in enumerate(grads, start=1):
         m, v = _decoded(ref_m)[:numel].clone(), _decoded(ref_v, squared=True)[:numel].clone()
@@ -180,6 +166,21 @@ def test_an_int8_update_is_the_fp32_kernel_between_a_decode_and_an_encode(master
     plain.close()
 
 
+def _initial_states(master32: torch.Tensor, master: str) -> tuple:
+    """``(param, exp_avg, exp_avg_sq, out)`` for a job starting from ``master32``: the fp32 master, or its
+    remainder beside the bf16 parameter; zeroed int8 moments."""
+    from infinity.optim.split_master import split_bf16_
+
+    numel = master32.numel()
+    out = master32.to(torch.bfloat16)
+    param = master32.clone()
+    if master == "remainder":
+        param = torch.empty(numel, dtype=torch.int16)
+        split_bf16_(master32, out, param)
+    return (param, torch.zeros(INT8.shape(numel), dtype=torch.uint8), torch.zeros(INT8.shape(numel), dtype=torch.uint8),
+            out)
+
+
 def test_int8_moments_are_refused_in_a_wrong_shape():
     adam = CpuAdamW(threads=1)
     with pytest.raises(ValueError, match=r"int8 exp_avg must be contiguous CPU uint8 rows of shape \(4, 260\)"):
@@ -195,21 +196,13 @@ def test_the_device_path_of_int8_moments_matches_the_cpu_path(master):
     on CPU tensors, it matches CpuAdamW's chunked path: the same moments' codes but where the two kernels'
     last bits round a code the other way, masters within 1e-6 relative of each other's step."""
     from infinity.optim.cpu_adam import device_adamw_blocks_
-    from infinity.optim.split_master import join_bf16_, split_bf16_
+    from infinity.optim.split_master import join_bf16_
 
     numel = 2 * 4096 + BLOCK
     torch.manual_seed(3)
     master32 = torch.randn(numel)
     cuts = [(0, 3000, 0.1), (3000, numel - BLOCK, 0.0)]
-    states = []
-    for _ in range(2):
-        out = master32.to(torch.bfloat16)
-        param = master32.clone()
-        if master == "remainder":
-            param = torch.empty(numel, dtype=torch.int16)
-            split_bf16_(master32, out, param)
-        states.append([param, torch.zeros(INT8.shape(numel), dtype=torch.uint8),
-                       torch.zeros(INT8.shape(numel), dtype=torch.uint8), out])
+    states = [_initial_states(master32, master) for _ in range(2)]
     adam = CpuAdamW(threads=1, chunk_numel=4096)
     for step in range(1, 4):
         g = torch.randn(numel)
