@@ -85,13 +85,13 @@ def _plot(runs: dict, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--model", default="tiny:n_layer=4,n_head=4,n_embd=256,block_size=64")
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
     p.add_argument("--corpus-bytes", default="8MiB", help="bytes of the default corpus (>= 5 MB of real text)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--only", nargs="*", choices=[m for m in MOMENT_FORMATS if m != "fp32"],
                    help="run only these low-precision formats (the fp32 runs always run)")
