@@ -201,7 +201,7 @@ def _write_unit(path: Path, unit, rank: int, placement) -> dict:
                     writer.write(codes_of(t[lo:lo + rows]).contiguous().view(-1))
                 writer.write(scales_of(t).contiguous().view(-1))
                 continue
-            dtype = specs[[s[0] for s in specs].index(name)][1]
+            dtype = saved_dtype(placement, name)
             chunk = _WRITE_CHUNK_BYTES // 4   # elements
             for lo in range(0, t.numel(), chunk):
                 writer.write(t[lo:lo + chunk].to(dtype))

@@ -124,7 +124,7 @@ class CpuAdamW:
                 raise ValueError(f"CpuAdamW: {name} must be fp32 or bf16, got {t.dtype}")
         if numel == 0:
             return
-        hyper = dict(step=step, lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        hyper = _kernel_hyper(dict(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._run(self._update_range, self._split(numel, _CHUNK_ALIGN_NUMEL),
                   param, grad, exp_avg, exp_avg_sq, out, hyper, grad_scale)
 
@@ -158,8 +158,7 @@ class CpuAdamW:
                 raise ValueError(f"CpuAdamW: int8 {name} must be contiguous CPU uint8 rows of shape {rows}, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
         self._check(param, grad, out)
-        segments = [(lo, hi, dict(step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1],
-                                  eps=h["eps"], weight_decay=h["weight_decay"])) for lo, hi, h in segments]
+        segments = [(lo, hi, _kernel_hyper(h)) for lo, hi, h in segments]
         if numel and segments:
             self._run(self._update_blocks, self._split(numel, BLOCK), param, grad, exp_avg, exp_avg_sq, out,
                       segments, grad_scale, (seed, segments[0][2]["step"], index))
@@ -265,6 +264,12 @@ class CpuAdamW:
             write_param_(p, out[s:e], work)
 
 
+def _kernel_hyper(h: dict) -> dict:
+    """The kernel's keywords from a param group's hyper-parameters (``betas`` split in two)."""
+    return dict(step=h["step"], lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
+                weight_decay=h["weight_decay"])
+
+
 def write_param_(master: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """``out`` = the fp32 ``master`` in ``out``'s dtype: bf16 by :func:`round_bf16_` (the rounding a split
     master can invert, shared by every master format; ``scratch`` its int32 work buffer), other dtypes by
@@ -317,9 +322,7 @@ def device_adamw_blocks_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch
     split = param.dtype == torch.int16
     master = join_bf16_(out, param, torch.empty(n, dtype=torch.float32, device=dev)) if split else param
     for lo, hi, h in segments:
-        device_adamw_(master[lo:hi], grad[lo:hi].float() * grad_scale, m[lo:hi], v[lo:hi], step=h["step"],
-                      lr=h["lr"], beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"],
-                      weight_decay=h["weight_decay"])
+        device_adamw_(master[lo:hi], grad[lo:hi].float() * grad_scale, m[lo:hi], v[lo:hi], **_kernel_hyper(h))
     step = segments[0][2]["step"]
     encode_(m, exp_avg, root=False, dither=dither(seed, step, 0, index, rows, dev))
     encode_(v, exp_avg_sq, root=True, dither=dither(seed, step, 1, index, rows, dev))

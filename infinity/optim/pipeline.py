@@ -573,10 +573,7 @@ class AdamPipeline:
                 out.copy_(final)   # the parameter is half of the master: Adam reads it (CUDA: blocking)
         if job.moments_blocked:
             self._update_blocked(job, t, master, grad, out, hyper)
-            ranges = ()
-        else:
-            ranges = job.ranges
-        for group, lo, hi in ranges:
+        for group, lo, hi in () if job.moments_blocked else job.ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
             if dev.type == "cpu":
@@ -609,16 +606,10 @@ class AdamPipeline:
         """int8 moments: one call for the whole job (a block may hold two param groups' elements).
         On the CPU, :meth:`CpuAdamW.step_segments_` decodes and encodes per cache-sized chunk; a job held
         in device memory (CUDA-only) is decoded whole, updated per range and encoded back."""
-        if master.device.type == "cpu":
-            self.adam.step_segments_(master, grad, t["exp_avg"], t["exp_avg_sq"],
-                                     [(lo, hi, hyper(group)) for group, lo, hi in job.ranges],
-                                     out=out, grad_scale=job.grad_scale, seed=job.unit_index,
-                                     index=job.element_offset)
-            return
-        # CUDA-only: states in device memory
-        device_adamw_blocks_(master, grad, t["exp_avg"], t["exp_avg_sq"],
-                             [(lo, hi, hyper(group)) for group, lo, hi in job.ranges], out=out,
-                             grad_scale=job.grad_scale, seed=job.unit_index, index=job.element_offset)
+        # CUDA-only: states in device memory take device_adamw_blocks_
+        update = self.adam.step_segments_ if master.device.type == "cpu" else device_adamw_blocks_
+        update(master, grad, t["exp_avg"], t["exp_avg_sq"], [(lo, hi, hyper(group)) for group, lo, hi in job.ranges],
+               out=out, grad_scale=job.grad_scale, seed=job.unit_index, index=job.element_offset)
 
     def _swap_out(self, job: ShardJob) -> list:
         """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""

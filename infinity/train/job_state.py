@@ -28,7 +28,7 @@ from infinity.checkpoint.manifest import STEP_DIR_RE, Checkpoint, resolve_checkp
 from infinity.checkpoint.tensor_file import CheckpointError
 from infinity.train.errors import TrainError
 from infinity.train.options import DEFAULT_SAVE_ROOT
-from infinity.zero.placement import MOMENT_ITEMSIZES
+from infinity.optim.moment_codes import moment_format
 
 __all__ = ["JOB_KEY", "JOB_VERSION", "read_job", "resume_path", "new_run_dir", "check_fresh_save_dir",
            "save_dir_of", "checkpoint_bytes", "check_save_room", "check_no_later_checkpoints"]
@@ -111,7 +111,7 @@ def checkpoint_bytes(num_params: int, moments: str = "fp32") -> int:
     """About what one checkpoint of ``num_params`` parameters takes on disk: fp32 master weights and both
     Adam moments as they are stored (``optimizer.moments``: 12 bytes a parameter with fp32 moments, 8 with
     bf16, 6.03 with int8, over all ranks together), plus 1% and 1 MiB for padding, buffers and the JSON files."""
-    per_param = 4 + 2 * MOMENT_ITEMSIZES[moments]
+    per_param = 4 + 2 * moment_format(moments).itemsize
     return int(per_param * num_params * 1.01) + 2**20
 
 

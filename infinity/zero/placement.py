@@ -23,13 +23,12 @@ import math
 from dataclasses import dataclass
 
 from infinity.config import Config, ConfigError, format_size
-from infinity.optim.moment_codes import MOMENT_FORMATS
+from infinity.optim.moment_codes import moment_format
 from infinity.store import Tier
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
-__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES", "MOMENT_ITEMSIZES",
-           "MOMENT_DTYPES"]
+__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
@@ -38,10 +37,6 @@ CHUNK_ALIGN_NUMEL = 4096
 RESIDENT_RESERVE_JOBS = 4
 
 OPTIMIZER_CLASSES = (TensorClass.MASTER, TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ)
-# bytes per element of each Adam moment, by ``optimizer.moments`` (int8: 65/64, a block's codes and its
-# scale; whole blocks give whole bytes, and every shard and chunk is whole blocks); the dtype it is stored in
-MOMENT_ITEMSIZES = {name: f.itemsize for name, f in MOMENT_FORMATS.items()}
-MOMENT_DTYPES = {name: f.dtype for name, f in MOMENT_FORMATS.items()}
 
 
 def store_key(unit_index: int, cls: TensorClass, chunk: int | None = None) -> str:
@@ -131,8 +126,9 @@ class Placement:
 
     @property
     def moment_itemsize(self) -> int:
-        """Stored bytes per element of each Adam moment (``optimizer.moments``)."""
-        return MOMENT_ITEMSIZES[self.moments_format]
+        """Stored bytes per element of each Adam moment (``optimizer.moments``; int8: 65/64, a block's codes and
+        its scale: whole blocks give whole bytes, and every shard and chunk is whole blocks)."""
+        return moment_format(self.moments_format).itemsize
 
     def stored_itemsizes(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
         """Bytes per element of each class this placement stores (host or NVMe), as one optimizer job

@@ -31,6 +31,7 @@ import os
 import time
 
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
+from infinity.optim.moment_codes import moment_format
 from infinity.optim.pipeline import AdamPipeline, ShardJob
 from infinity.zero.grad_staging import is_fold_owner
 from infinity.zero.grads import MAX_INFLIGHT
@@ -67,7 +68,7 @@ class ShardUpdate:
         self._forward_wait_s = 0.0
         self._launched_jobs: dict = {}   # next_forward: unit index -> the job names step() launched for it
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
-        self.blocked_moments = cfg.moments == "int8"    # each job's moments are int8 rows of blocks
+        self.blocked_moments = moment_format(cfg.moments).blocked   # each job's moments are int8 rows of blocks
         self.partial_overlapped_update = False   # a backward raised after its overlapped updates began
         self.last_stats: dict = {}
         self._post_gathers: collections.deque = collections.deque()
