@@ -17,7 +17,7 @@ import torch
 
 import format_cases
 from infinity.checkpoint.manifest import Checkpoint, unit_file
-from infinity.checkpoint.tensor_file import TensorFileReader
+from infinity.checkpoint.tensor_file import CheckpointError, TensorFileReader
 from infinity.optim.moment_codes import BLOCK, decode_, encode_
 
 BASE = dict(model="hf_gpt2", steps=3, batch=8, lr=1e-2, groups=True, dtype="bf16")
@@ -169,7 +169,7 @@ def test_a_checkpoint_converts_between_moment_formats(worlds, tmp_path):
     what the bf16 run held, and loaded as bf16 they are bitwise what it held. int8 ones are saved as
     their F8_E4M3 codes and one F32 scale per block: loaded as fp32 they are exactly the values the int8
     run held, loaded as int8 the same values again, and fp32 ones loaded as int8 are their encoding.
-    Training goes on from each."""
+    Training goes on from each. A damaged scale tensor fails the load's checks, named."""
     case = dict(BASE, stage=2, offload=dict(optimizer="nvme", grads="host"), steps=3, save_at=2, **SMALL)
     pairs = (("fp32", "bf16"), ("bf16", "fp32"), ("bf16", "bf16"), ("int8", "fp32"), ("int8", "int8"),
              ("fp32", "int8"))
@@ -218,6 +218,19 @@ def test_a_checkpoint_converts_between_moment_formats(worlds, tmp_path):
                                    for n in scales)
                     else:
                         assert scales == []
+    # a damaged scale tensor is caught by the checks a load runs first, naming it
+    ckpt = Checkpoint(os.path.join(specs[pairs.index(("int8", "int8"))]["tmp"], "ckpt"))
+    path = ckpt.path(unit_file(1, 0), 1)
+    with TensorFileReader(path, "unit file") as f:
+        start = f.entry("exp_avg_sq_scale")[2]
+    with open(path, "r+b") as fh:
+        fh.seek(start)
+        byte = fh.read(1)
+        fh.seek(start)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert "exp_avg_sq_scale" in ckpt.saved_tensors()
+    with pytest.raises(CheckpointError, match=r"rank 1.*tensor 'exp_avg_sq_scale' CRC-32"):
+        ckpt.verify(unit_file(1, 0), 1, ckpt.saved_tensors())
 
 
 def _values(rows: torch.Tensor) -> torch.Tensor:
