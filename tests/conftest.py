@@ -11,6 +11,16 @@ import pytest  # noqa: E402
 from world import World  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory):
+    """The compiled int8 kernel (infinity/optim/native.py) is built into this session's temporary
+    directory, not the user's cache; ranks spawned later inherit it."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("INFINITY_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     """``worlds(n)``: a gloo world of n ranks, started on first use and kept for the module."""

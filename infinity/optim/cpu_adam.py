@@ -31,7 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from infinity.optim.moment_codes import BLOCK, ROW_BYTES, decode_, dither, encode_
+from infinity.optim import native
+from infinity.optim.moment_codes import BLOCK, ROW_BYTES, decode_, dither, dither_offset, dither_table, encode_
 from infinity.optim.split_master import join_bf16_, round_bf16_, split_bf16_
 
 __all__ = ["CpuAdamW", "adamw_", "device_adamw_", "device_adamw_blocks_", "uses_fused_adamw", "default_adam_threads",
@@ -158,10 +159,40 @@ class CpuAdamW:
                 raise ValueError(f"CpuAdamW: int8 {name} must be contiguous CPU uint8 rows of shape {rows}, got "
                                  f"{t.dtype} {tuple(t.shape)} on {t.device}")
         self._check(param, grad, out)
+        if not (numel and segments):
+            return
+        fn = native.kernel() if _native_kinds(param, grad, out) is not None else None
+        if fn is not None:
+            self._native_blocks(fn, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index)
+            return
         segments = [(lo, hi, _kernel_hyper(h)) for lo, hi, h in segments]
-        if numel and segments:
-            self._run(self._update_blocks, self._split(numel, BLOCK), param, grad, exp_avg, exp_avg_sq, out,
-                      segments, grad_scale, (seed, segments[0][2]["step"], index))
+        self._run(self._update_blocks, self._split(numel, BLOCK), param, grad, exp_avg, exp_avg_sq, out,
+                  segments, grad_scale, (seed, segments[0][2]["step"], index))
+
+    def _native_blocks(self, fn, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index):
+        """:meth:`step_segments_` by the compiled kernel (:mod:`~infinity.optim.native`): one call per
+        thread's range of blocks, on the pool (the kernel releases the GIL and runs single-threaded)."""
+        param_kind, out_kind, grad_kind = _native_kinds(param, grad, out)
+        segments = sorted(segments, key=lambda seg: seg[0])
+        bounds = torch.tensor([b for lo, hi, _ in segments for b in (lo, hi)], dtype=torch.int64)
+        hyper = torch.tensor([_native_hyper(h) for _, _, h in segments], dtype=torch.float32)
+        step = segments[0][2]["step"]
+        table = dither_table()
+        offsets = (dither_offset(seed, step, 0, index), dither_offset(seed, step, 1, index))
+        pointers = (param.data_ptr(), param_kind, 0 if out is None else out.data_ptr(), out_kind,
+                    grad.data_ptr(), grad_kind, float(grad_scale), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                    len(segments), bounds.data_ptr(), hyper.data_ptr(), table.data_ptr(), *offsets)
+
+        def blocks(lo: int, hi: int) -> None:
+            fn(lo // BLOCK, math.ceil(hi / BLOCK), *pointers)
+
+        ranges = self._split(param.numel(), BLOCK)
+        if self._pool is None or len(ranges) == 1:
+            for lo, hi in ranges:
+                blocks(lo, hi)
+            return
+        for f in [self._pool.submit(blocks, lo, hi) for lo, hi in ranges]:
+            f.result()
 
     def _run(self, work, ranges: list, *args) -> None:
         """``work(*args[:5], lo, hi, *args[5:])`` over each thread's range: on the pool when torch runs
@@ -262,6 +293,26 @@ class CpuAdamW:
             split_bf16_(p, out[s:e], param[s:e], work)
         elif out is not None:
             write_param_(p, out[s:e], work)
+
+
+def _native_kinds(param, grad, out) -> tuple | None:
+    """``(param, out, grad)`` kind codes of the compiled int8 kernel (``adamw_int8.c``'s enums), or None
+    for what only the torch path handles (an fp16 gradient or parameter copy)."""
+    grad_kind = {torch.float32: 0, torch.bfloat16: 1}.get(grad.dtype)
+    out_kind = {None: 0, torch.bfloat16: 1, torch.float32: 2}.get(None if out is None else out.dtype)
+    if grad_kind is None or out_kind is None:
+        return None
+    return (1 if param.dtype == torch.int16 else 0), out_kind, grad_kind
+
+
+def _native_hyper(h: dict) -> list:
+    """A param group's hyper-parameters as the compiled kernel takes them (``adamw_int8.c``'s ``H_*``):
+    the weight-decay factor, the first moment's lerp weight, beta2, 1 - beta2, the square root of the
+    second bias correction, eps, and the step size (lr over the first bias correction)."""
+    beta1, beta2 = h["betas"]
+    step = h["step"]
+    return [1 - h["lr"] * h["weight_decay"], 1 - beta1, beta2, 1 - beta2, (1 - beta2 ** step) ** 0.5, h["eps"],
+            h["lr"] / (1 - beta1 ** step)]
 
 
 def _kernel_hyper(h: dict) -> dict:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BLOCK", "ROW_BYTES", "MomentFormat", "FLAT_LAYOUT", "MOMENT_FORMATS", "moment_format", "encode_", "decode_",
-           "codes_of", "scales_of", "decode_codes_", "dither"]
+           "codes_of", "scales_of", "decode_codes_", "dither", "dither_offset", "dither_table"]
 
 BLOCK = 256                # elements per block, one fp32 scale each
 ROW_BYTES = BLOCK + 4      # a block's codes, then its scale
@@ -147,11 +147,16 @@ def dither(seed: int, step: int, which: int, index: int, numel: int, device=None
     ``(seed, step, which)``, so it is the same wherever the elements are updated (any chunking, thread
     split, tier or world size, given ``index`` counts from the same origin) and new each step.
     ``seed``: the unit; ``which``: 0 for the first moment, 1 for the second."""
-    table = _dither_table(device)
-    start = (_mix(seed, step, which) + index) % _DITHER_NUMEL
+    table = dither_table(device)
+    start = dither_offset(seed, step, which, index)
     if numel <= _DITHER_NUMEL:
         return table[start:start + numel]
     return table[(start + torch.arange(numel, device=table.device)) % _DITHER_NUMEL]
+
+
+def dither_offset(seed: int, step: int, which: int, index: int) -> int:
+    """Where :func:`dither` of element ``index`` starts in :func:`dither_table` (in ``[0, 2**20)``)."""
+    return (_mix(seed, step, which) + index) % _DITHER_NUMEL
 
 
 def _mix(*values: int) -> int:
@@ -171,8 +176,9 @@ _KEPT_BITS = ~((1 << 20) - 1)   # fp32 keeps 23 mantissa bits, e4m3 3: the low 2
 _DITHER_TABLES: dict = {}
 
 
-def _dither_table(device) -> torch.Tensor:
-    """The dither table (twice over, so any slice up to its length is contiguous), per device."""
+def dither_table(device=None) -> torch.Tensor:
+    """The dither table (2**20 entries twice over, so any slice up to 2**20 long is contiguous), per
+    device."""
     key = str(torch.device(device or "cpu"))
     if key not in _DITHER_TABLES:
         g = torch.Generator().manual_seed(0x1F8)
