@@ -329,15 +329,18 @@ def child_train(a) -> dict:
         io1, last = proc_io(), engine.stats.last_step   # last: the step just ended (its bytes per tier pair)
         offload = last.get("offload") or {}
         reports.append(engine.memory_report() if hasattr(engine, "memory_report") else None)
+        # the step's own peak: the memory report resets VmHWM as each step ends, so VmHWM read now is only
+        # the time since that reset (about the RSS at the step's end)
+        step_peak = (reports[-1] or {}).get("peak_rss_bytes") or proc_status()
         rows.append({"loss": round(loss.item(), 4), "step_s": t3 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1,
                      "optimizer_s": t3 - t2, "disk_read_bytes": io1[0] - io0[0], "disk_write_bytes": io1[1] - io0[1],
                      "moved_bytes": offload.get("moved_bytes", {}),
                      "host_resident_bytes": offload.get("host_resident_bytes", 0),
                      **{k: offload.get(k) for k in ("spills", "swap_in_wait_s", "adam_s")},
-                     "foreign_cpu": foreign_share(cpu0, cpu_mark())})
+                     "foreign_cpu": foreign_share(cpu0, cpu_mark()), "peak_rss_bytes": step_peak})
         print(f"[infinity] step {step}{' (warm-up)' if step < a.warmup else ''} loss {rows[-1]['loss']:.4f} "
-              f"{t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} step {t3 - t2:.2f}) VmHWM "
-              f"{proc_status() / GIB:.2f} GiB, spills {rows[-1]['spills']}, Adam's swap-in wait "
+              f"{t3 - t0:.2f}s (fwd {t1 - t0:.2f} bwd {t2 - t1:.2f} step {t3 - t2:.2f}) peak RSS "
+              f"{step_peak / GIB:.2f} GiB, spills {rows[-1]['spills']}, Adam's swap-in wait "
               f"{rows[-1]['swap_in_wait_s'] or 0:.1f}s, other processes' CPU {rows[-1]['foreign_cpu']:.0%}", file=sys.stderr,
               flush=True)
     meas = rows[a.warmup:]
