@@ -76,7 +76,9 @@ class CpuAdamW:
     widened to fp32, updated by the same kernel and rounded back to nearest (even) while in cache.
 
     int8 moments (``optimizer.moments: int8``, :mod:`~infinity.optim.moment_codes`): :meth:`step_segments_`
-    updates a whole job, every param group's range of it, decoding each work chunk's blocks once.
+    updates a whole job, every param group's range of it, by the compiled one-pass kernel
+    (:mod:`~infinity.optim.native`) where it can be built, else in torch ops decoding each work chunk's
+    blocks once.
     """
 
     def __init__(self, threads: int | None = None, chunk_numel: int = 1024 * 1024):
