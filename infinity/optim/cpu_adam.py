@@ -163,18 +163,20 @@ class CpuAdamW:
         self._check(param, grad, out)
         if not (numel and segments):
             return
-        fn = native.kernel() if _native_kinds(param, grad, out) is not None else None
+        kinds = _native_kinds(param, grad, out)
+        fn = native.kernel() if kinds is not None else None
         if fn is not None:
-            self._native_blocks(fn, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index)
+            self._native_blocks(fn, kinds, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index)
             return
         segments = [(lo, hi, _kernel_hyper(h)) for lo, hi, h in segments]
         self._run(self._update_blocks, self._split(numel, BLOCK), param, grad, exp_avg, exp_avg_sq, out,
                   segments, grad_scale, (seed, segments[0][2]["step"], index))
 
-    def _native_blocks(self, fn, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index):
-        """:meth:`step_segments_` by the compiled kernel (:mod:`~infinity.optim.native`): one call per
-        thread's range of blocks, on the pool (the kernel releases the GIL and runs single-threaded)."""
-        param_kind, out_kind, grad_kind = _native_kinds(param, grad, out)
+    def _native_blocks(self, fn, kinds, param, grad, exp_avg, exp_avg_sq, out, segments, grad_scale, seed, index):
+        """:meth:`step_segments_` by the compiled kernel (:mod:`~infinity.optim.native`; ``kinds``: its
+        :func:`_native_kinds`): one call per thread's range of blocks, on the pool whatever torch's thread
+        count (the kernel releases the GIL and runs single-threaded)."""
+        param_kind, out_kind, grad_kind = kinds
         segments = sorted(segments, key=lambda seg: seg[0])
         bounds = torch.tensor([b for lo, hi, _ in segments for b in (lo, hi)], dtype=torch.int64)
         hyper = torch.tensor([_native_hyper(h) for _, _, h in segments], dtype=torch.float32)
@@ -188,19 +190,14 @@ class CpuAdamW:
         def blocks(lo: int, hi: int) -> None:
             fn(lo // BLOCK, math.ceil(hi / BLOCK), *pointers)
 
-        ranges = self._split(param.numel(), BLOCK)
-        if self._pool is None or len(ranges) == 1:
-            for lo, hi in ranges:
-                blocks(lo, hi)
-            return
-        for f in [self._pool.submit(blocks, lo, hi) for lo, hi in ranges]:
-            f.result()
+        self._run(blocks, self._split(param.numel(), BLOCK), own_threads=True)
 
-    def _run(self, work, ranges: list, *args) -> None:
+    def _run(self, work, ranges: list, *args, own_threads: bool = False) -> None:
         """``work(*args[:5], lo, hi, *args[5:])`` over each thread's range: on the pool when torch runs
-        single-threaded, else in order on this thread (torch spreads each op over its own threads)."""
+        single-threaded or ``work`` uses no torch threads (``own_threads``), else in order on this thread
+        (torch spreads each op over its own threads)."""
         head, tail = args[:5], args[5:]
-        if self._pool is None or len(ranges) == 1 or torch.get_num_threads() > 1:
+        if self._pool is None or len(ranges) == 1 or (torch.get_num_threads() > 1 and not own_threads):
             for lo, hi in ranges:
                 work(*head, lo, hi, *tail)
             return

@@ -29,8 +29,9 @@ Rows compose: every chunk bound of a unit shard is a multiple of 4096 elements, 
 hi)`` of a moment is rows ``[lo / 256, ceil(hi / 256))`` of the shard's, and chunks concatenate
 into the shard (:meth:`MomentFormat.rows`).
 
-Everything is plain torch on contiguous tensors (the CPU optimizer calls it per cache-sized work
-chunk; the device path calls it on a job's device tensors). Decoding reads subnormal fp32 patterns
+Everything is plain torch on contiguous tensors (the device path calls it on a job's device tensors,
+the CPU optimizer per cache-sized work chunk where its compiled kernel, ``adamw_int8.c``, which does
+the same operations in one pass, cannot be built; checkpoints convert with it). Decoding reads subnormal fp32 patterns
 (codes below 2**-6), so it relies on IEEE subnormals, torch's default
 (``torch.set_flush_denormal(False)``). NaN is not kept: a NaN moment reads back as 480 times its
 block's scale (the parameter it updated is NaN already, and stays so).

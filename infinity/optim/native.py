@@ -4,13 +4,15 @@ Why a compiled kernel: an int8 step in torch ops is about fifteen elementwise pa
 chunk (decode both moments, the fused AdamW kernel, the scale, the stochastic rounding, the fp8
 conversion, twice over), measured at about six times the fp32 step's time per element on one core.
 The C kernel decodes each 256-element block into a stack buffer, updates it and encodes it while it
-is in L1, in one pass over the state (``tools/bench_offload.py --only adam`` measures both).
+is in L1, in one pass over the state (``tools/bench_offload.py --only formats`` measures both).
 
 Build: the one C file, with the system C compiler (``$CC``, else ``cc``) and ``-march=native``, into
-the user cache (``$XDG_CACHE_HOME/infinity``, else ``~/.cache/infinity``) under a name that hashes the
-source, the command and the machine's CPU flags (``$INFINITY_CACHE`` names another directory), so a cache shared between machines keeps one build
-per kind of CPU. Ranks that start together may build at once: each writes its own temporary file and
-renames it into place, so the library loaded is always whole. About a second, once per machine.
+``$INFINITY_CACHE``, else the user cache (``$XDG_CACHE_HOME/infinity``, else ``~/.cache/infinity``),
+under a name that hashes the source, the command and the machine's CPU flags, so a cache shared
+between machines keeps one build per kind of CPU. Ranks that start together may build at once: each
+writes its own temporary file and renames it into place, so the library loaded is always whole. A
+cached library that does not load (truncated, say) is built again once. About a second, once per
+machine.
 
 Without a compiler, when the build fails, or with ``INFINITY_NATIVE=0``, :func:`kernel` returns None
 and the torch path runs (a one-line warning says why, once). Both give the same codes, scales and
@@ -67,40 +69,55 @@ def native_reason() -> str | None:
 
 
 def _load():
+    """``(function, None)``, or ``(None, why not)``."""
     if os.environ.get("INFINITY_NATIVE", "1") == "0":
         return None, "INFINITY_NATIVE=0"
     compiler = shlex.split(os.environ.get("CC", "cc"))
     command = [*compiler, *_FLAGS]
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(command).encode(), _cpu_flags()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(command).encode(), _cpu_flags()])).hexdigest()
     cache = Path(os.environ.get("INFINITY_CACHE") or
                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinity")
-    library = cache / f"adamw_int8-{key}.so"
-    if not library.exists():
+    library = cache / f"adamw_int8-{key[:16]}.so"
+    for attempt in range(2):
+        if not library.exists():
+            why = _build(command, library)
+            if why is not None:
+                return None, why
         try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache, prefix=library.stem, suffix=".tmp")
-            os.close(fd)
-            try:
-                done = subprocess.run([*command, "-o", tmp, str(_SOURCE)], capture_output=True, text=True,
-                                      timeout=120)
-                if done.returncode != 0:
-                    first = (done.stderr.strip().splitlines() or ["no message"])[0]
-                    return None, f"{' '.join(compiler)} failed to build {_SOURCE.name}: {first}"
-                os.replace(tmp, library)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except FileNotFoundError:
-            return None, f"no C compiler {' '.join(compiler)!r} (set CC)"
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, f"cannot build {_SOURCE.name} in {cache}: {e}"
+            fn = ctypes.CDLL(str(library)).infinity_adamw_int8
+        except (OSError, AttributeError) as e:
+            if attempt == 0:   # a damaged cached build: build it again, once
+                library.unlink(missing_ok=True)
+                continue
+            return None, f"cannot load {library}: {e}"
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+        return fn, None
+
+
+def _build(command: list, library: Path) -> str | None:
+    """Compile the kernel into ``library`` (through a temporary file renamed into place); why not, or
+    None."""
+    cache = library.parent
     try:
-        fn = ctypes.CDLL(str(library)).infinity_adamw_int8
-    except (OSError, AttributeError) as e:
-        return None, f"cannot load {library}: {e}"
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return fn, None
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=library.stem, suffix=".tmp")
+        os.close(fd)
+    except OSError as e:
+        return f"cannot build {_SOURCE.name} in {cache}: {e}"
+    try:
+        done = subprocess.run([*command, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            return f"{command[0]} failed to build {_SOURCE.name}: {first}"
+        os.replace(tmp, library)
+        return None
+    except FileNotFoundError:
+        return f"no C compiler {command[0]!r} (set CC)"
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"cannot build {_SOURCE.name} in {cache}: {e}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _cpu_flags() -> bytes:

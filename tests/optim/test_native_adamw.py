@@ -189,3 +189,28 @@ def test_a_fresh_cache_builds_the_library_once_and_reuses_it(monkeypatch, tmp_pa
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_loaded", {})
     assert native.kernel() is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_an_unusable_cache_directory_is_named_and_the_torch_path_runs(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("INFINITY_CACHE", str(blocker / "infinity"))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.kernel() is None
+    assert native.native_reason().startswith(f"cannot build adamw_int8.c in {blocker / 'infinity'}: ")
+
+
+def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path, compiled):
+    """A cache holding a truncated build under the kernel's name (in a directory this process never loaded
+    from: a loaded library must not be rewritten in place) is rebuilt and loads."""
+    monkeypatch.setenv("INFINITY_CACHE", str(tmp_path / "good"))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.kernel() is not None
+    (good,) = (tmp_path / "good").iterdir()
+    damaged = tmp_path / "damaged" / good.name
+    damaged.parent.mkdir()
+    damaged.write_bytes(good.read_bytes()[:100])   # truncated, as a full disk would leave it
+    monkeypatch.setenv("INFINITY_CACHE", str(damaged.parent))
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.kernel() is not None and native.native_reason() is None
+    assert damaged.stat().st_size > 100   # the rebuilt library, not the truncated one
