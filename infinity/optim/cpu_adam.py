@@ -395,7 +395,8 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     """One AdamW update in place on flat fp32 tensors (any device); the same ops as torch's
     ``_single_tensor_adam``, so bitwise equal to ``torch.optim.AdamW``'s default path. The project's
     one copy of the math: CPU Adam's fallback where torch has no fused kernel, and the update of
-    optimizer states kept in memory of a device without one (:func:`device_adamw_`). ``step`` is the 1-based count after this update."""
+    optimizer states kept in memory of a device without one (:func:`device_adamw_`). ``step`` is the
+    1-based count after this update."""
     if weight_decay != 0:
         param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)

@@ -571,17 +571,27 @@ class AdamPipeline:
                 out = torch.empty(final.shape, dtype=final.dtype, device=dev)
             if job.master_is_remainder:
                 out.copy_(final)   # the parameter is half of the master: Adam reads it (CUDA: blocking)
-        if job.moments_blocked:
-            self._update_blocked(job, t, master, grad, out, hyper)
-        for group, lo, hi in () if job.moments_blocked else job.ranges:
+        (self._update_blocked if job.moments_blocked else self._update_flat)(job, t, master, grad, out, hyper)
+        if to_device:
+            # off the compute thread; the copy's closure holds `out` alive until it has landed
+            return final, _Staged(out, self._device_copier(final).to_device(final, out), staging)
+        if final is not None and out is not final:
+            # device master -> host-stored parameter (optimizer kept on the device): blocking
+            final.copy_(out)
+        return (final if final is not None else master), None
+
+    def _update_flat(self, job: ShardJob, t: dict, master, grad, out, hyper) -> None:
+        """fp32 / bf16 moments: each param group's range of the job by :meth:`CpuAdamW.step_` on the CPU,
+        by the device's kernel where the states are in device memory."""
+        for group, lo, hi in job.ranges:
             h = hyper(group)
             o = out[lo:hi] if out is not None else None
-            if dev.type == "cpu":
+            if master.device.type == "cpu":
                 self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
                                 step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
                                 weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
             else:   # CUDA-only: states in device memory, updated there by torch's fused kernel
-                m32 = join_bf16_(o, master[lo:hi], torch.empty(hi - lo, dtype=torch.float32, device=dev)) \
+                m32 = join_bf16_(o, master[lo:hi], torch.empty(hi - lo, dtype=torch.float32, device=master.device)) \
                     if job.master_is_remainder else master[lo:hi]
                 moments = (t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi])
                 wide = [x.float() for x in moments]   # the math is fp32 whatever the moments' stored format
@@ -594,13 +604,6 @@ class AdamPipeline:
                     split_bf16_(m32, o, master[lo:hi])
                 elif o is not None:
                     write_param_(m32, o)
-        if to_device:
-            # off the compute thread; the copy's closure holds `out` alive until it has landed
-            return final, _Staged(out, self._device_copier(final).to_device(final, out), staging)
-        if final is not None and out is not final:
-            # device master -> host-stored parameter (optimizer kept on the device): blocking
-            final.copy_(out)
-        return (final if final is not None else master), None
 
     def _update_blocked(self, job: ShardJob, t: dict, master, grad, out, hyper) -> None:
         """int8 moments: one call for the whole job (a block may hold two param groups' elements).
