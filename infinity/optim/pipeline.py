@@ -370,6 +370,9 @@ class AdamPipeline:
                         self._released += 1
                         self._progress.notify_all()
                     self._slots.release()
+                    # this job's host tensors go with it: the wait for the next one may be long, and the
+                    # store may have freed (dropped, discarded) their buffers by then
+                    item = job = futures = tensors = out = copied = None
                 self._land(landing, keep=0)
             staging_pinned_bytes = 0
             if self._staging is not None:   # keep what this step had in use at once; give back the rest
@@ -428,6 +431,7 @@ class AdamPipeline:
                     self._issued += 1
                 self.tracer.add(f"issue swap-in {job.name}", t0, time.perf_counter(), lane="swap-in")
                 ready.put((job, futures))
+                job = futures = seen = value = None   # not held while this thread waits for the next job
         except BaseException as e:   # noqa: BLE001 - handed to the compute thread, which raises it
             ready.put(e)
 
@@ -479,7 +483,10 @@ class AdamPipeline:
                     copied.done.result()
                 finally:
                     self._staging.release(copied.buffer)
-            self._landed.put((name, on_done, param))   # every job: wait_for follows them all
+            # every job (wait_for follows them all), its param only for an on_done: the caller may take
+            # them only in finish(), and a param held in this queue keeps its host buffer alive after
+            # the store has freed it (an overlapped backward's jobs would pile up outside every budget)
+            self._landed.put((name, on_done, param if on_done is not None else None))
 
     def _unpin_held(self) -> None:
         """After an error: drop the pins this run still holds, so the keys stay evictable and usable."""
