@@ -51,6 +51,12 @@ class UnitCollectives:
         no second unit-sized output buffer."""
         return isinstance(self.coll, LocalCollectives)
 
+    @property
+    def gathers_in_place(self) -> bool:
+        """One rank and nothing quantized: the full parameter buffer is this rank's shard, so a stored
+        shard can be written straight into it (the all-gather then moves nothing)."""
+        return isinstance(self.coll, LocalCollectives)
+
     # ------------------------------------------------------------ hpZ's verbs (nothing kept here)
 
     def has_secondary(self, unit_index: int) -> bool:

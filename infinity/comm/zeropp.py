@@ -177,6 +177,10 @@ class ZeroPlusPlus(UnitCollectives):
     def reduces_in_place(self) -> bool:
         return super().reduces_in_place and not self.quantize_grads
 
+    @property
+    def gathers_in_place(self) -> bool:
+        return super().gathers_in_place and not self.quantize_weights
+
 
 class _HierarchicalReduce:
     """qgZ's two all-to-alls for one unit: the intra-node one is launched now, the cross-node one when

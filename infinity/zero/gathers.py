@@ -59,14 +59,20 @@ class UnitGathers:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
         if unit.state is UnitState.SHARDED:
             self.update.check_gather(unit)
-            if self.unit_comm.has_secondary(unit.index):
-                src, done = None, None   # hpZ: gathered from the node's secondary shards, not the stored one
-            else:
-                src, done = self.update.with_room(unit.shard.param_for_gather)
-            unit.transition(UnitState.GATHERING)
-            self.live.gathering(unit.index)
             full = unit.full_param
             full.untyped_storage().resize_(unit.padded_numel * full.element_size())
+            try:
+                if self.unit_comm.has_secondary(unit.index):
+                    src, done = None, None   # hpZ: gathered from the node's secondary shards, not the stored one
+                else:
+                    # one rank: a chunked shard is assembled in the full buffer itself (no copy of it)
+                    into = full if self.unit_comm.gathers_in_place else None
+                    src, done = self.update.with_room(lambda: unit.shard.param_for_gather(into))
+            except BaseException:
+                full.untyped_storage().resize_(0)   # still SHARDED: its buffer must not stay allocated
+                raise
+            unit.transition(UnitState.GATHERING)
+            self.live.gathering(unit.index)
             pending = self.unit_comm.all_gather(unit, full, src)   # keeps autograd's version counter
             unit.gather = _Gather(pending, done, time.perf_counter())
         if wait and unit.state is UnitState.GATHERING:

@@ -253,13 +253,15 @@ class StoreUnitShard(UnitShard):
 
     # ------------------------------------------------------------ the engine's verbs
 
-    def param_for_gather(self):
+    def param_for_gather(self, into: torch.Tensor | None = None):
         """The parameter shard on the device tier, pinned while the all-gather reads it (an eviction
-        meanwhile would hand its budget to another key), and the unpin for when the gather is done. Chunked: each chunk is pinned only while it is copied into one
-        buffer outside the budget (so that tier's budget must hold one chunk, not the shard)."""
+        meanwhile would hand its budget to another key), and the unpin for when the gather is done.
+        Chunked: each chunk is pinned only while it is copied into one buffer outside the budget (so
+        that tier's budget must hold one chunk, not the shard): ``into``, the full buffer itself, when
+        given (one rank: no shard-sized buffer and no second copy), else a new one."""
         keys = self._keys.get(TensorClass.PARAM)
         if keys is None:
-            return super().param_for_gather()
+            return super().param_for_gather(into)
         self.lent.write_back()   # a checkpoint load may have written the shard through get()
         tier = Tier.DEVICE
         if not self.chunked:
@@ -276,13 +278,18 @@ class StoreUnitShard(UnitShard):
                 self.store.bring(key, tier)
             except BudgetError:
                 break
-        out = None
+        if into is not None and into.numel() != self.bounds[-1][1]:
+            raise ValueError(f"param_for_gather: the buffer holds {into.numel()} elements, the shard "
+                             f"{self.bounds[-1][1]}")
+        out = into
         for key, (lo, hi) in zip(keys, self.bounds):
             t = self.store.wait(self.staging.with_room(lambda: self.store.bring(key, tier, pin=True)))
             try:
                 if out is None:
                     out = torch.empty(self.bounds[-1][1], dtype=t.dtype, device=t.device)
-                out[lo:hi].copy_(t)
+                # the full buffer is written behind autograd's back, as an all-gather writes it
+                with torch.autograd._unsafe_preserve_version_counter(out):
+                    out[lo:hi].copy_(t)
             finally:
                 self.store.unpin(key, tier)
         return out, None

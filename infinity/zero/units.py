@@ -232,8 +232,10 @@ class UnitShard:
         yield self.get(cls)
 
     # ---- the engine's verbs
-    def param_for_gather(self):
-        """(the parameter shard an all-gather reads, a call for when the gather is done, or None)."""
+    def param_for_gather(self, into: torch.Tensor | None = None):
+        """(the parameter shard an all-gather reads, a call for when the gather is done, or None).
+        ``into``: the full buffer, when it is this rank's shard (one rank, :attr:`gathers_in_place`): a
+        shard assembled from pieces is assembled there; one in memory is returned as it is."""
         return self.get(TensorClass.PARAM), None
 
     def prefetch_param(self) -> None:

@@ -17,6 +17,7 @@ import infinity
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
 from infinity.store import Tier
+from infinity.zero.store_shard import StoreUnitShard
 
 GPT_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=2048, block_size=32)
 SMALL_CHUNK = 96 * 1024   # bytes of all stored classes of one chunk: a few thousand elements
@@ -182,3 +183,27 @@ def test_a_checkpoint_moves_between_chunk_sizes(tmp_path):
             infinity.engine_of(model).close()
         assert losses == ref_losses, tag
         assert all(torch.equal(params[n], p) for n, p in ref_params.items()), tag
+
+
+def test_one_rank_assembles_a_chunked_parameter_shard_in_the_full_buffer(tmp_path, monkeypatch):
+    """At one rank a unit's full buffer is its shard: a stage-3 gather copies each stored chunk straight
+    into it, with no shard-sized buffer between and nothing left for the all-gather to copy; training
+    is bitwise the unchunked run's (a chunk copied to the wrong place, or a version bump autograd
+    catches, would show)."""
+    gathers = []
+    original = StoreUnitShard.param_for_gather
+
+    def spy(self, into=None):
+        src, done = original(self, into)
+        if self.chunked:
+            gathers.append((self.unit_index, into is not None and src.data_ptr() == into.data_ptr()))
+        return src, done
+
+    monkeypatch.setattr(StoreUnitShard, "param_for_gather", spy)
+    ref_losses, ref_params, _, _ = _run(tmp_path / "whole", dtype="bf16")
+    assert gathers == []
+    losses, params, _, _ = _run(tmp_path / "chunks", dtype="bf16", chunk_bytes=SMALL_CHUNK)
+    assert gathers and all(in_place for _, in_place in gathers), gathers
+    assert {index for index, _ in gathers} == {0, 1, 2}   # the root and both blocks, forward and backward
+    assert losses == ref_losses
+    assert all(torch.equal(params[n], p) for n, p in ref_params.items())
