@@ -201,7 +201,9 @@ class GradReducer:
                 self._note_buffers(out.nbytes)
             self._inflight.append(self.unit_comm.reduce_scatter(
                 unit, out, unit.full_grad, then=lambda unit=unit, out=out: self._fold(unit, out)))
-            while len(self._inflight) > MAX_INFLIGHT:
+            # one rank: the reduction is done already, nothing is overlapped by waiting later, and each
+            # reduction left waiting keeps a unit-sized full gradient alive: fold it now
+            while len(self._inflight) > (0 if self.unit_comm.reduces_in_place else MAX_INFLIGHT):
                 self._inflight.popleft().wait()
 
     def begin_backward(self) -> None:
@@ -210,6 +212,7 @@ class GradReducer:
 
     def _fold(self, unit, out: torch.Tensor) -> None:
         first, unit.grad_stale = unit.grad_stale, False
+        own_buffer = out is not unit.full_grad   # a reduction in place left no output buffer to count
         take_norm = self.norm_at_fold and self._backwards >= self.accum_steps
         unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
         inspect = self._inspector(unit, take_norm)
@@ -221,7 +224,8 @@ class GradReducer:
             self.writes.append(write)
             self._unit_writes[unit.index] = write
         unit.full_grad = None   # the full gradient is dropped once reduced
-        self._out_bytes -= out.nbytes
+        if own_buffer:
+            self._out_bytes -= out.nbytes
         self._folded.append(unit)
 
     def _inspector(self, unit, take_norm: bool):

@@ -101,6 +101,31 @@ def test_parts_on_an_offloaded_stage3_step(tmp_path):
         engine.close()
 
 
+def test_one_rank_holds_the_roots_gradient_and_one_blocks_at_once(tmp_path):
+    """At one rank the reduction is the full gradient itself, done when launched: each block's gradient
+    is folded into its shard as soon as it is complete, so backward holds the root unit's (its tied
+    embedding collects gradients from the first backward op to the last) and the one block being
+    filled; not the blocks whose reductions used to wait two more units to be folded. And the report
+    counts them exactly (a reduction in place used to be subtracted as an output it never added)."""
+    torch.manual_seed(0)
+    conf = {"zero": {"stage": 3}, "prefetch": {"bytes": 0},
+            "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
+            "tiers": {"host_bytes": "8MiB", "device_bytes": "2MiB", "nvme_path": str(tmp_path)}}
+    model, opt = infinity.initialize(GPT(GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=32)),
+                                     conf)
+    engine = infinity.engine_of(model)
+    try:
+        engine.memory.enable()
+        for _ in range(2):
+            _step(model, opt)
+            root = next(u for u in engine.units if u.is_root)
+            block = max(u.padded_numel for u in engine.units if not u.is_root)
+            assert len(engine.units) == 5
+            assert engine.memory_report()["grad_buffers_bytes"] == (root.padded_numel + block) * 4
+    finally:
+        engine.close()
+
+
 def test_in_memory_engine_has_no_store_parts_and_activations_can_be_off(tmp_path):
     model, opt, engine = _engine(tmp_path, offload=False, stage=2)
     try:
