@@ -339,8 +339,10 @@ def test_an_updated_job_holds_none_of_its_tensors_while_the_step_runs_on():
     while len(pipe.updated) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert pipe.updated == ["u0", "u1", "u2"]
-    time.sleep(0.2)   # the compute thread lands the last job and waits for the next one
-    gc.collect()
+    # the compute thread lands the last job and waits for the next one: give it time, not a fixed sleep
+    while any(r() is not None for r in refs[0] + refs[2]) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
     # job 0 (no on_done) and job 2 (the last one, which the threads may not hold while they wait) are gone
     assert [r() is None for r in refs[0]] == [True] * 5
     assert [r() is None for r in refs[2]] == [True] * 5
