@@ -28,7 +28,7 @@ class CopyRecord:
     state: Residency = Residency.ABSENT
     version: int = INVALID_VERSION
     tensor: torch.Tensor | None = None   # what get() hands out (device/host); None on NVMe or when absent
-    buffer: torch.Tensor | None = None   # host only: the pool buffer under ``tensor``, returned on drop
+    buffer: torch.Tensor | None = None   # the pool buffer under ``tensor`` (host, a CPU device copy), returned on drop
     reserved_bytes: int = 0              # what this copy holds against its tier's budget
     # owner token -> pins: the token the pinning caller named (a unit's gather, a fold), else its thread id
     pinned_by: collections.Counter = field(default_factory=collections.Counter)

@@ -93,6 +93,10 @@ class TensorStore(TransferRunner):
         if host_registrar is None and self.device.type == "cuda" and torch.cuda.is_available():
             host_registrar = CudaHostRegistrar(self.device)   # CUDA-only: pinned, so copies run async
         self.pool = HostBufferPool(budgets[Tier.HOST], registrar=host_registrar)
+        # a CPU device's tier is RAM, and its working copies come and go a chunk at a time (stage 3 brings
+        # every parameter chunk there twice a step): buffers reused, as the host tier's are, spare a page
+        # fault and a zeroed page per 4 KiB of each new one (on CUDA torch's caching allocator reuses them)
+        self.device_pool = HostBufferPool(budgets[Tier.DEVICE]) if self.device.type == "cpu" else None
         self._copier = copier if copier is not None else DeviceCopier(self.device)
         self._engine: IOEngine | None = None
         self._extents: ExtentFile | None = None
@@ -511,16 +515,20 @@ class TensorStore(TransferRunner):
 
     def trim_host_buffers(self) -> int:
         """Free host buffers cached for reuse (:meth:`HostBufferPool.end_window`; a training step calls
-        this once per step, so a budget filled once does not stay RSS for good). Returns the bytes freed."""
-        return self.pool.end_window()
+        this once per step, so a budget filled once does not stay RSS for good), and a CPU device tier's.
+        Returns the bytes freed."""
+        return self.pool.end_window() + (self.device_pool.end_window() if self.device_pool is not None else 0)
 
     def take_peak_bytes(self) -> dict:
         """Per tier, the most bytes held since the last call (a window: one training step); the next
         window starts from what is held now. ``host`` is the host pool's buffers, in use and cached
-        (what the tier costs in RAM, at most its budget); ``device`` and ``nvme`` are reserved bytes."""
+        (what the tier costs in RAM, at most its budget); ``device`` and ``nvme`` are reserved bytes (a CPU
+        device: or its pool's buffers, in use and cached, where more)."""
         with self._cond:
             out = {t.value: a.take_window_peak() for t, a in self._accounts.items()}
         out[Tier.HOST.value] = self.pool.take_window_peak()
+        if self.device_pool is not None:
+            out[Tier.DEVICE.value] = max(out[Tier.DEVICE.value], self.device_pool.take_window_peak())
         return out
 
     def close(self) -> None:
@@ -544,6 +552,8 @@ class TensorStore(TransferRunner):
         if self._engine is not None:
             self._engine.close()
         self.pool.trim()
+        if self.device_pool is not None:
+            self.device_pool.trim()
 
     def __enter__(self) -> "TensorStore":
         return self

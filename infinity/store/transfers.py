@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import torch
 
 from infinity.store.records import INVALID_VERSION, CopyRecord, KeyRecord, Transfer
-from infinity.store.residency import Residency, Tier
+from infinity.store.residency import Residency, StoreError, Tier
 
 __all__ = ["TransferRunner", "done_future"]
 
@@ -58,11 +58,24 @@ class TransferRunner:
                     copy.buffer = self.pool.acquire(rec.nbytes)
                     copy.tensor = copy.buffer[:rec.nbytes].view(rec.dtype).view(rec.shape)
                 elif t is Tier.DEVICE:
-                    copy.tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device)
+                    copy.buffer = self._device_buffer(rec)
+                    copy.tensor = torch.empty(rec.shape, dtype=rec.dtype, device=self.device) if copy.buffer is None \
+                        else copy.buffer[:rec.nbytes].view(rec.dtype).view(rec.shape)
         except BaseException as e:   # noqa: BLE001 - out of memory: fail the op, roll back the reservation
             self._hop_done(rec, op, 0, e)
             return
         self._run_hop(rec, op, 0)
+
+    def _device_buffer(self, rec: KeyRecord):
+        """A CPU device tier's working copy from its pool (a home copy, which callers may keep views of
+        for good, and a request the pool has no room for, as the pool rounds sizes up, are allocated
+        plainly: None)."""
+        if self.device_pool is None or rec.home is Tier.DEVICE:
+            return None
+        try:
+            return self.device_pool.acquire(rec.nbytes)
+        except StoreError:
+            return None
 
     def _run_hop(self, rec: KeyRecord, op: Transfer, index: int) -> None:
         """Outside the lock: start hop ``index``; its source is DRAINING and its target FILLING."""
@@ -193,6 +206,6 @@ class TransferRunner:
         copy = rec.copies[tier]
         rec.move(tier, _R.ABSENT, op)
         if copy.buffer is not None:
-            self.pool.release(copy.buffer)
+            (self.pool if tier is Tier.HOST else self.device_pool).release(copy.buffer)
         self._accounts[tier].unreserve(copy.reserved_bytes)
         rec.copies[tier] = CopyRecord()

@@ -792,8 +792,8 @@ def test_host_pool_end_window_gives_back_what_the_step_no_longer_holds():
 
 
 def test_peak_bytes_per_window(tmp_path):
-    """take_peak_bytes: each tier's most bytes since the last call (host: the pool, cached buffers too);
-    the next window starts from what is held then, whatever the all-time peak was."""
+    """take_peak_bytes: each tier's most bytes since the last call (host, and a CPU device: the pool, cached
+    buffers too); the next window starts from what is held then, whatever the all-time peak was."""
     s = make(tmp_path, device_bytes=8 * 4 * KiB, host_bytes=8 * 4 * KiB)
     try:
         for i in range(4):
@@ -807,8 +807,13 @@ def test_peak_bytes_per_window(tmp_path):
             s.evict(f"k{i}", Tier.DEVICE).result()
         s.take_peak_bytes()
         second = s.take_peak_bytes()   # nothing brought in this window: only what is still held
-        assert second["device"] == 0 and s.stats()["peak_bytes"]["device"] == 4 * 4 * KiB
+        # on a CPU device the evicted copies' buffers are cached for reuse until the step's trim
+        assert second["device"] == 4 * 4 * KiB == s.device_pool.stats()["cached_bytes"]
+        assert s.stats()["peak_bytes"]["device"] == 4 * 4 * KiB
         assert second["host"] == s.pool.stats()["in_use_bytes"] + s.pool.stats()["cached_bytes"]
+        s.trim_host_buffers()
+        s.take_peak_bytes()
+        assert s.take_peak_bytes()["device"] == 0 == s.device_pool.stats()["cached_bytes"]
     finally:
         s.close()
 
@@ -898,5 +903,29 @@ def test_host_scratch_is_counted_in_the_host_budget_and_made_room_for(tmp_path):
                 s.host_scratch(4 * KiB)
         s.release_scratch(buf)
         assert s.stats()["scratch_bytes"] == 0 and s.stats()["scratch_peak_bytes"] == 4 * KiB
+    finally:
+        s.close()
+
+
+def test_a_cpu_device_tiers_working_copies_reuse_their_buffers_and_a_device_home_does_not(tmp_path):
+    """On a CPU device an evicted working copy's buffer goes back to the device pool and the next
+    copy of that size gets it (no new pages); the data is each key's own; a key homed on the device
+    is allocated plainly (callers may keep views of a home copy)."""
+    s = make(tmp_path, device_bytes=8 * 4 * KiB, host_bytes=8 * 4 * KiB)
+    try:
+        values = [sample((KiB,), torch.float32, seed=i) for i in range(3)]
+        for i, v in enumerate(values):
+            s.register(f"k{i}", v, home=Tier.NVME).result()
+        addresses = []
+        for i, v in enumerate(values):
+            s.bring(f"k{i}", Tier.DEVICE).result()
+            assert torch.equal(s.get(f"k{i}", Tier.DEVICE), v)
+            addresses.append(s.get(f"k{i}", Tier.DEVICE).data_ptr())
+            s.evict(f"k{i}", Tier.DEVICE).result()
+        pool = s.device_pool.stats()
+        assert pool["misses"] == 1 and pool["hits"] == 2 and len(set(addresses)) == 1
+        s.register("home", sample((KiB,), torch.float32, seed=9), home=Tier.DEVICE).result()
+        assert s.device_pool.stats()["in_use_bytes"] == 0
+        assert s.get("home", Tier.DEVICE).data_ptr() not in addresses
     finally:
         s.close()
