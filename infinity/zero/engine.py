@@ -72,6 +72,7 @@ from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
 from infinity.zero.gathers import UnitGathers
+from infinity.zero.storage_pool import StoragePool
 from infinity.zero.grads import GradReducer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
@@ -186,7 +187,8 @@ class ZeroEngine:
                                       config.schedule.accum_steps)
             self.grads = self._build_grads(config)
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
-                                       self.tracer, config.zero.reshard_after_forward, self.rank)
+                                       self.tracer, config.zero.reshard_after_forward, self.rank,
+                                       StoragePool(reuse=self.device.type == "cpu"))
             self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)

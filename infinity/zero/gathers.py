@@ -31,6 +31,7 @@ import time
 
 from infinity.store import BudgetError
 from infinity.zero.live_units import UnitUse
+from infinity.zero.storage_pool import StoragePool
 from infinity.zero.units import UnitState
 
 __all__ = ["UnitGathers"]
@@ -50,17 +51,19 @@ class UnitGathers:
     update is writing, which must not be gathered, and waits for host room it holds."""
 
     def __init__(self, units: list, unit_comm, live, prefetcher, update, tracer, reshard_after_forward: bool,
-                 rank: int):
+                 rank: int, buffers: StoragePool | None = None):
         self.units, self.unit_comm, self.live, self.prefetcher = units, unit_comm, live, prefetcher
         self.update, self.tracer = update, tracer
         self.reshard_after_forward, self.rank = reshard_after_forward, rank
+        # the full buffers' memory: reused between gathers on a CPU device (storage_pool's module doc)
+        self.buffers = buffers if buffers is not None else StoragePool(reuse=False)
 
     def gather(self, unit, wait: bool = True) -> None:
         """SHARDED -> GATHERING (-> GATHERED if ``wait``); a no-op if already on the way."""
         if unit.state is UnitState.SHARDED:
             self.update.check_gather(unit)
             full = unit.full_param
-            full.untyped_storage().resize_(unit.padded_numel * full.element_size())
+            self.buffers.fill(full.untyped_storage(), unit.padded_numel * full.element_size())
             try:
                 if self.unit_comm.has_secondary(unit.index):
                     src, done = None, None   # hpZ: gathered from the node's secondary shards, not the stored one
@@ -69,7 +72,7 @@ class UnitGathers:
                     into = full if self.unit_comm.gathers_in_place else None
                     src, done = self.update.with_room(lambda: unit.shard.param_for_gather(into))
             except BaseException:
-                full.untyped_storage().resize_(0)   # still SHARDED: its buffer must not stay allocated
+                self.buffers.empty(full.untyped_storage())   # still SHARDED: its buffer must not stay allocated
                 raise
             unit.transition(UnitState.GATHERING)
             self.live.gathering(unit.index)
@@ -92,7 +95,7 @@ class UnitGathers:
         if unit.state is UnitState.GATHERED:
             unit.transition(UnitState.SHARDED)
             self.live.released(unit.index)
-            unit.full_param.untyped_storage().resize_(0)
+            self.buffers.empty(unit.full_param.untyped_storage())
         elif self.live.use(unit.index) is not UnitUse.IDLE:
             self.live.set_use(unit.index, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
 
