@@ -576,9 +576,9 @@ class ZeroEngine:
             return
         self._closed = True
         errors = []
-        update = getattr(self, "update", None)
+        update, gathers = getattr(self, "update", None), getattr(self, "gathers", None)
         for part in filter(None, (update and update.settle, self._remove_hooks, self._finish_folds,
-                                    getattr(self, "_finalizer", None))):
+                                    getattr(self, "_finalizer", None), gathers and gathers.buffers.trim)):
             try:
                 part()
             except BaseException as e:   # noqa: BLE001 - the rest must still close

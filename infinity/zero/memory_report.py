@@ -19,7 +19,7 @@ rss_bytes               RSS when the step ended
 baseline_rss_bytes      RSS when ``initialize`` began building the engine (before any shard;
                         with torch's runtime only if it ran before: :func:`warm_torch`)
 store_host_bytes        the store's host buffers (in use + cached), peak; None: no store
-store_device_bytes      the store's device tier, peak (RAM on CPU); None: no store
+store_device_bytes      the store's device tier, peak (RAM on CPU, where its pool's cached buffers count too); None: no store
 gathered_params_bytes   stage 3: full parameters gathered at once, peak (``live_peak_bytes``, what
                         ``prefetch.max_live_bytes`` caps); 0 at stages 0-2 (their full
                         parameters are resident)
