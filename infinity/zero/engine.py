@@ -72,7 +72,6 @@ from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
 from infinity.zero.gathers import UnitGathers
-from infinity.zero.storage_pool import StoragePool
 from infinity.zero.grads import GradReducer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
@@ -82,6 +81,7 @@ from infinity.zero.memory_report import StepMemory, rss_bytes
 from infinity.zero.placement import Placement
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
+from infinity.zero.storage_pool import StoragePool
 from infinity.zero.store_shard import store_shards
 from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
                                  shard_align_numel)
