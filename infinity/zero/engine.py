@@ -467,6 +467,8 @@ class ZeroEngine:
             resident = self.resident_bytes()
             resident.pop("store", None)
             gathered = self.stats.last_step.get("live_peak_bytes", 0) if self.policy.shard_params else 0
+            if self.policy.shard_params:   # on a CPU device the memory kept for the next gathers is RAM too
+                gathered = max(gathered, self.gathers.buffers.take_window_peak())
             self.memory.end_step(sum(resident.values()), gathered)
         self.tracer.end_step()
         self.tracer.begin_step()

@@ -21,8 +21,9 @@ baseline_rss_bytes      RSS when ``initialize`` began building the engine (befor
 store_host_bytes        the store's host buffers (in use + cached), peak; None: no store
 store_device_bytes      the store's device tier, peak (RAM on CPU, where its pool's cached buffers count too); None: no store
 gathered_params_bytes   stage 3: full parameters gathered at once, peak (``live_peak_bytes``, what
-                        ``prefetch.max_live_bytes`` caps); 0 at stages 0-2 (their full
-                        parameters are resident)
+                        ``prefetch.max_live_bytes`` caps; on a CPU device, or the memory the full
+                        buffers hold with what :mod:`~infinity.zero.storage_pool` keeps for the next
+                        gathers, where more); 0 at stages 0-2 (their full parameters are resident)
 grad_buffers_bytes      full gradients waiting for reduction and reduction outputs, peak at once
                         (stages 0-1's gradient arena is resident instead)
 resident_bytes          model state in engine memory when the step ended: shards not in the

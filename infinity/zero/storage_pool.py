@@ -39,6 +39,7 @@ class StoragePool:
         self.lent_bytes = 0
         self.idle_bytes = 0
         self.peak_lent_bytes = 0
+        self._window_peak = 0   # the most held (lent + idle) since the last take_window_peak()
         self.hits = 0
         self.misses = 0
 
@@ -71,6 +72,7 @@ class StoragePool:
             self._lent[storage.data_ptr()] = nbytes
             self.lent_bytes += nbytes
             self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+            self._window_peak = max(self._window_peak, self.lent_bytes + self.idle_bytes)
 
     def empty(self, storage: torch.UntypedStorage) -> None:
         """Take ``storage``'s memory away (it holds 0 bytes after); memory from :meth:`fill` is kept for reuse
@@ -97,6 +99,14 @@ class StoragePool:
         with self._lock:
             freed, self._idle, self.idle_bytes = self.idle_bytes, [], 0
         return freed
+
+    def take_window_peak(self) -> int:
+        """The most memory held (lent and kept) since the last call (a window: one training step); the next
+        window starts from what is held now."""
+        with self._lock:
+            now = self.lent_bytes + self.idle_bytes
+            peak, self._window_peak = max(self._window_peak, now), now
+        return peak
 
     def stats(self) -> dict:
         with self._lock:

@@ -111,3 +111,30 @@ def test_stage_3_training_reuses_the_full_buffers_and_gives_the_fresh_buffers_re
     assert stats["hits"] >= 12 and stats["misses"] <= 4 and stats["reuse"]
     assert stats["lent_bytes"] + stats["idle_bytes"] <= stats["peak_lent_bytes"]
     assert fresh_stats["hits"] == 0 and not fresh_stats["reuse"]
+
+
+def test_the_memory_report_counts_what_the_pool_keeps_as_gathered_parameters():
+    """After ``gathered()`` (every unit's full buffer at once) the pool keeps that memory for the next
+    gathers; a training step then gathers only a few units at once, yet the report's gathered term is
+    the memory the full buffers hold, kept ones included, not the step's live peak alone."""
+    torch.manual_seed(0)
+    # the cap holds the root and two blocks: a step never has all four units at once
+    model, opt = infinity.initialize(_Net(), {"zero": {"stage": 3}, "optimizer": {"lr": 1e-2},
+                                              "prefetch": {"max_live_bytes": 4096 + 2 * 8192}})
+    engine = infinity.engine_of(model)
+    try:
+        engine.memory.enable()
+        with engine.gathered():
+            pass
+        every_unit = engine.gathers.buffers.stats()["peak_lent_bytes"]
+        assert every_unit == sum(u.padded_numel * 4 for u in engine.units)
+        for _ in range(2):   # the second step's window starts after gathered()
+            model(torch.randn(8, 32)).backward()
+            opt.step()
+            opt.zero_grad()
+        report = engine.memory_report()
+        live_peak = engine.stats.last_step["live_peak_bytes"]
+        assert live_peak < every_unit   # the step alone held fewer units at once
+        assert report["gathered_params_bytes"] == every_unit
+    finally:
+        engine.close()
