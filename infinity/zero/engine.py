@@ -466,9 +466,9 @@ class ZeroEngine:
         if self.memory.enabled:
             resident = self.resident_bytes()
             resident.pop("store", None)
-            gathered = self.stats.last_step.get("live_peak_bytes", 0) if self.policy.shard_params else 0
-            if self.policy.shard_params:   # on a CPU device the memory kept for the next gathers is RAM too
-                gathered = max(gathered, self.gathers.buffers.take_window_peak())
+            # stage 3: the step's live peak, or (CPU device) the full buffers' memory with what is kept for reuse
+            gathered = max(self.stats.last_step.get("live_peak_bytes", 0), self.gathers.buffers.take_window_peak()) \
+                if self.policy.shard_params else 0
             self.memory.end_step(sum(resident.values()), gathered)
         self.tracer.end_step()
         self.tracer.begin_step()

@@ -52,9 +52,9 @@ class StoragePool:
             return
         dropped = []
         with self._lock:
-            block = next((b for b in reversed(self._idle) if b.nbytes() == nbytes), None)
+            i = next((i for i in range(len(self._idle) - 1, -1, -1) if self._idle[i].nbytes() == nbytes), None)
+            block = None if i is None else self._idle.pop(i)   # the newest of its size: likeliest in cache
             if block is not None:
-                self._idle.remove(block)
                 self.idle_bytes -= nbytes
                 self.hits += 1
             else:
