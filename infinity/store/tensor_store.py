@@ -465,6 +465,36 @@ class TensorStore(TransferRunner):
             rec.copies[tier].version = rec.latest
             self._touch(rec.copies[tier])
 
+    def hand_over(self, src: str, dst: str, tier: Tier | str) -> torch.Tensor:
+        """Make ``src``'s ``tier`` working copy ``dst``'s newest copy, without moving a byte: the buffer,
+        its reservation and its pins change keys. ``src`` goes back to its other copies (home included),
+        which must hold the same bytes (the copy is current and not the only one); ``dst``'s other copies
+        are stale from then on (it is dirty: write it back as after any change). For an update that reads
+        one key and writes its result under another, leaving the first as it was. Both keys must be idle,
+        of one shape and dtype; ``dst`` may have no copy pinned in ``tier``. Returns the tensor."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            a, b = self._lookup(src, "hand_over"), self._lookup(dst, "hand_over")
+            if a.op is not None or b.op is not None:
+                raise StoreError(f"hand_over {src!r} -> {dst!r}: a key is being moved; wait for it first")
+            if (a.shape, a.dtype) != (b.shape, b.dtype):
+                raise StoreError(f"hand_over {src!r} -> {dst!r}: {a.shape} {a.dtype} is not {b.shape} {b.dtype}")
+            if tier is a.home or not a.is_current(tier) or a.sole_newest(tier) or \
+                    a.copies[tier].state is not _R.RESIDENT:
+                raise self._refuse(a, tier, "hand_over", "only a current working copy whose bytes are also "
+                                                         "held elsewhere (home) can change keys")
+            if b.copies[tier].pins:
+                raise self._refuse(b, tier, "hand_over", "the copy it would replace is pinned")
+            if b.copies[tier].state is not _R.ABSENT:
+                self._drop(b, tier, "hand_over")
+            copy, a.copies[tier] = a.copies[tier], CopyRecord()
+            b.latest += 1
+            copy.version = b.latest
+            b.copies[tier] = copy
+            self._touch(copy)
+            self._cond.notify_all()
+            return copy.tensor
+
     # ------------------------------------------------------------------ inspection
 
     def __contains__(self, key: str) -> bool:
@@ -487,6 +517,12 @@ class TensorStore(TransferRunner):
     def home(self, key: str) -> Tier:
         with self._cond:
             return self._lookup(key, "home").home
+
+    def layout(self, key: str) -> tuple:
+        """``(shape, dtype)`` of the key's tensor."""
+        with self._cond:
+            rec = self._lookup(key, "layout")
+            return rec.shape, rec.dtype
 
     def nbytes(self, key: str) -> int:
         """The key's tensor size in bytes (what each of its copies holds)."""

@@ -219,6 +219,46 @@ def test_discard_drops_newest_host_copy_unwritten_and_reverts_to_home(store):
     store.discard("g", Tier.DEVICE)   # an absent copy: nothing to do
 
 
+def test_hand_over_gives_a_working_copy_to_another_key_without_moving_bytes(store):
+    """A brought, pinned host copy of ``a`` becomes ``b``'s newest copy: the same tensor, its pin and its
+    room; ``a`` reads its home bytes again and was never changed; ``b`` is dirty, and once changed and
+    written back reads the new bytes. Refused: a copy whose bytes exist nowhere else, a pinned target,
+    another shape, a home copy."""
+    old, spare = sample((1024,), torch.float32, 1), sample((1024,), torch.float32, 2)
+    store.wait(store.register("a", old, home=Tier.NVME))
+    store.wait(store.register("b", spare, home=Tier.NVME))
+    store.wait(store.register("c", (512,), dtype=torch.float32, home=Tier.NVME))
+    for k in ("a", "b", "c"):
+        store.wait(store.evict(k, Tier.HOST))
+    host_bytes, moved = store.stats()["tier_bytes"]["host"], dict(store.stats()["moved_bytes"])
+    t = store.wait(store.bring("a", Tier.HOST, pin=True))
+    with pytest.raises(StoreError, match="another shape|is not"):
+        store.hand_over("a", "c", Tier.HOST)
+    with pytest.raises(StoreError, match="current working copy"):
+        store.hand_over("a", "b", Tier.NVME)
+    got = store.hand_over("a", "b", Tier.HOST)
+    assert got is t and store.stats()["tier_bytes"]["host"] == host_bytes + 4096
+    assert store.residency("a")[Tier.HOST] is Residency.ABSENT and not store.is_dirty("a")
+    assert store.is_dirty("b")
+    got.mul_(2)
+    store.mark_dirty("b", Tier.HOST)
+    store.unpin("b", Tier.HOST)   # the pin came with the copy
+    store.wait(store.evict("b", Tier.HOST))
+    assert store.stats()["moved_bytes"]["nvme->host"] == moved.get("nvme->host", 0) + 4096   # a's one read
+    assert_bitwise_equal(store.wait(store.bring("a", Tier.HOST)), old)
+    assert_bitwise_equal(store.wait(store.bring("b", Tier.HOST)), old * 2)
+    # a dirty copy (its bytes nowhere else) cannot leave its key; nor can a copy go to a pinned one
+    store.wait(store.claim("c", Tier.HOST))
+    t = store.wait(store.bring("a", Tier.HOST))
+    store.mark_dirty("a", Tier.HOST)
+    with pytest.raises(StoreError, match="bytes are also held elsewhere"):
+        store.hand_over("a", "b", Tier.HOST)
+    store.wait(store.write_back("a"))
+    store.pin("b", Tier.HOST)
+    with pytest.raises(StoreError, match="pinned"):
+        store.hand_over("a", "b", Tier.HOST)
+
+
 def test_copy_in_motion_is_never_handed_out(store, monkeypatch):
     x = torch.arange(1000.0)
     store.register("a", x).result()
