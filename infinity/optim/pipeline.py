@@ -62,6 +62,7 @@ __all__ = ["ShardJob", "AdamPipeline"]
 _FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad", "param_out")
 _WRITTEN = ("master", "exp_avg", "exp_avg_sq", "param_out")   # the fields Adam changes
 _END = object()   # the compute thread's last word on the landed-params queue
+_SOURCE = "source"   # a swap-in future's name (_SOURCE, field): the old value of a speculative job's field
 _STAGING_CAPACITY_BYTES = 2**62   # the staging pool's bound is the lookahead, not a byte budget
 
 
@@ -86,6 +87,11 @@ class ShardJob:
     :mod:`~infinity.optim.moment_codes`), updated a whole job at a time; their stochastic rounding is a
     function of ``unit_index`` and of each element's index in the unit's flat buffer (the job's first
     is ``element_offset``), so any chunking or tier gives the same result.
+    ``sources`` (a speculative update, :mod:`infinity.zero.speculation`): ``{field: key or tensor}`` for
+    written fields whose old value is read from elsewhere. The field (a spare key or tensor) is then
+    filled with the source's bytes before Adam updates it in place, and the source is left as it was
+    (read, never written), so the update can be dropped or redone from it. A source key's host copy
+    is dropped unwritten once read when it is not homed there (``discard``: the old bytes stay home).
     """
 
     name: str
@@ -103,7 +109,9 @@ class ShardJob:
     moments_blocked: bool = False
     unit_index: int = 0
     element_offset: int = 0
+    sources: dict = field(default_factory=dict)
     _keys: list = field(default_factory=list, repr=False)
+    _handover: dict = field(default_factory=dict, repr=False)   # field -> (source key, field key)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
 
@@ -340,8 +348,15 @@ class AdamPipeline:
                     if isinstance(item, BaseException):
                         raise item
                     job, futures = item
-                    tensors = {name: self._result(f) if f is not None else getattr(job, name)
+                    tensors = {name: self._result(f) if f is not None else
+                               (getattr(job, name) if isinstance(name, str) else job.sources[name[1]])
                                for name, f in futures.items()}
+                    for name in job.sources:   # a speculative job: its fields start from their sources
+                        if name in job._handover:
+                            tensors[name] = self._hand_over(job, *job._handover[name], futures[(_SOURCE, name)])
+                            del tensors[(_SOURCE, name)]
+                        else:
+                            tensors[name].copy_(tensors.pop((_SOURCE, name)))
                     t1 = time.perf_counter()
                     # time before the job was submitted is the caller's (backward), not a wait for I/O
                     wait_s += max(0.0, t1 - max(t0, job._submitted_s))
@@ -408,16 +423,28 @@ class AdamPipeline:
                     return
                 t0 = time.perf_counter()
                 futures, seen = {}, {}
-                for name in _FIELDS:
-                    value = getattr(job, name)
-                    if isinstance(value, str):
+                # a source homed beyond the host tier: its host copy is handed over to the field's key once
+                # it lands (TensorStore.hand_over), no copy and no more room; it must be clean (its home holds
+                # its bytes), so a dirty one (rare: a lent copy written back late) is written home first
+                job._handover = {n: (v, getattr(job, n)) for n, v in job.sources.items() if isinstance(v, str)
+                                 and isinstance(getattr(job, n), str) and self.store.home(v) is not Tier.HOST}
+                for src, _ in job._handover.values():
+                    if self.store.is_dirty(src):
+                        self.store.wait(self.store.write_back(src))
+                for name, value in [(n, getattr(job, n)) for n in _FIELDS] + \
+                        [((_SOURCE, n), v) for n, v in job.sources.items()]:
+                    if name in job._handover:
+                        futures[name] = None   # filled by the hand-over of (_SOURCE, name)
+                    elif isinstance(value, str):
                         # the same key twice (aliases) is brought and pinned once
                         if value not in seen:
                             # the new parameter overwrites all of the old one: claim, don't read it,
                             # unless the key also serves a field Adam reads (fp32: param is the master)
-                            # and unless it holds half of a split master
-                            overwrite = name == "param_out" and not job.master_is_remainder and all(
-                                getattr(job, other) != value for other in _FIELDS if other != name)
+                            # and unless it holds half of a split master; a field filled from its
+                            # source is overwritten whole as well
+                            overwrite = name in job.sources or (
+                                name == "param_out" and not job.master_is_remainder and all(
+                                    getattr(job, other) != value for other in _FIELDS if other != name))
                             seen[value] = self._bring_pinned(value, overwrite)
                             with self._progress:
                                 self._held[value] = seen[value]
@@ -434,6 +461,15 @@ class AdamPipeline:
                 job = futures = seen = value = None   # not held while this thread waits for the next job
         except BaseException as e:   # noqa: BLE001 - handed to the compute thread, which raises it
             ready.put(e)
+
+    def _hand_over(self, job: ShardJob, src: str, dst: str, fut) -> torch.Tensor:
+        """A speculative job's source ``src``, landed in host memory (pinned): its copy becomes ``dst``'s."""
+        tensor = self.store.hand_over(src, dst, Tier.HOST)
+        with self._progress:   # the pin moved with the copy: it is ``dst`` that is unpinned after the update
+            self._held.pop(src, None)
+            self._held[dst] = fut
+        job._keys = [dst if k == src else k for k in job._keys]
+        return tensor
 
     def _crosses(self, job: ShardJob, value) -> bool:
         """An in-memory device tensor of a job whose master is stored (so Adam runs on the host)."""
