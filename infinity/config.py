@@ -43,7 +43,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
 MASTER_FORMATS = ("fp32", "remainder")
 MOMENT_FORMATS = ("fp32", "bf16", "int8")   # infinity.optim.moment_codes has each one's layout
-OVERLAP_MODES = ("auto", "backward", "next_forward")
+OVERLAP_MODES = ("auto", "backward", "next_forward", "speculative")
 
 
 class ConfigError(ValueError):
@@ -258,8 +258,11 @@ class OptimizerConfig:
         "last backward (schedule.accum_steps says which) as soon as its gradient shard is final (hides ~2/3 of "
         "the step's compute; no clip_grad_norm_, no fp16); next_forward = step() computes the clip coefficient "
         "or fp16 overflow, then launches the updates in forward order and the next forward waits for each unit's "
-        "before using it (exact with clipping and fp16, hides ~1/3); auto = next_forward when "
-        "schedule.clip_grad_norm is set or precision.param_dtype is fp16, else backward")
+        "before using it (exact with clipping and fp16, hides ~1/3); speculative = updated during the last "
+        "backward into spare copies before the clip norm is known, committed by step() when nothing clipped or "
+        "overflowed, else redone from the untouched state (exact; a run that keeps clipping falls back to "
+        "next_forward; costs disk or host memory for a second copy of the parameters and optimizer states); "
+        "auto = next_forward when schedule.clip_grad_norm is set or precision.param_dtype is fp16, else backward")
     master: str = _f(
         "fp32", _choice(*MASTER_FORMATS), "stored format of the fp32 master weights. remainder (bf16 parameters "
         "only): the master is kept as a signed 16-bit remainder beside the bf16 parameter, exactly (training is "
@@ -585,7 +588,7 @@ class Config:
             if self.schedule.clip_grad_norm is not None:
                 raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_mode backward (each unit is "
                                   "updated during backward, before the global gradient norm is known); use "
-                                  "overlap_mode next_forward or auto")
+                                  "overlap_mode next_forward, speculative or auto")
         if self.schedule.min_lr > self.optimizer.lr and self.schedule.lr_schedule != "constant":
             raise ConfigError(f"schedule.min_lr: {self.schedule.min_lr:g} is above optimizer.lr "
                               f"{self.optimizer.lr:g}; a decay goes down to min_lr")
@@ -626,6 +629,6 @@ class Config:
             why = "needs offload.optimizer host or nvme (the update runs as the offloaded CPU Adam)"
         elif self.precision.param_dtype == "fp16" and self.optimizer.overlap_mode == "backward":
             why = ("overlap_mode backward is not for precision.param_dtype fp16: the overflow check needs every "
-                   "gradient before any update; use overlap_mode next_forward or auto")
+                   "gradient before any update; use overlap_mode next_forward, speculative or auto")
         if why is not None:
             raise ConfigError(f"optimizer.overlap_backward: {why}")

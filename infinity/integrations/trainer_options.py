@@ -59,7 +59,7 @@ def trainer_config(config: Config, args) -> Config:
     if clip is not None and config.optimizer.overlap_backward and config.optimizer.overlap_mode == "backward":
         raise ValueError(f"InfinityTrainer: TrainingArguments max_grad_norm={clip:g} conflicts "
                          "with optimizer.overlap_mode backward (units are updated during backward, before the "
-                         "global norm is known); set overlap_mode auto or next_forward, or max_grad_norm=0")
+                         "global norm is known); set overlap_mode auto, next_forward or speculative, or max_grad_norm=0")
     return config.replace(optimizer={"lr": wanted["lr"][1], "betas": list(wanted["betas"][1]),
                                      "eps": wanted["eps"][1], "weight_decay": wanted["weight_decay"][1]},
                           schedule={"clip_grad_norm": clip, "accum_steps": int(args.gradient_accumulation_steps)})

@@ -79,6 +79,7 @@ from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory, rss_bytes
 from infinity.zero.placement import Placement
+from infinity.zero.speculation import spare_classes
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
 from infinity.zero.storage_pool import StoragePool
@@ -199,7 +200,7 @@ class ZeroEngine:
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
                                           config.zero.activation_checkpointing,
-                                          wait_units=self.update.launches and not self.policy.shard_params)
+                                          wait_units=self.update.may_launch and not self.policy.shard_params)
         except BaseException:
             self.close()
             raise
@@ -256,6 +257,8 @@ class ZeroEngine:
         moments = moment_format(self.placement.moments_format)   # optimizer.moments
         for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
             shard.put_zeros(cls, unit.shard_numel, moments.dtype, self.device, layout=moments)
+        if self.update.speculation is not None:   # overlap_mode speculative: spare copies of what Adam writes
+            shard.add_spares(spare_classes())
         unit.shard, unit.full_param = shard, full
         if self.policy.shard_params:
             self.gathers.release(unit)
@@ -381,7 +384,7 @@ class ZeroEngine:
         """Units whose reduced gradient reached their shard are final: the update may take them (overlap)."""
         # an overlapped update reads each unit's gradient during backward: it must have landed
         for unit in self.grads.take_folded(readable=self.update.overlap is not None):
-            self.update.unit_final(unit, self.grads.multiplier)
+            self.update.unit_final(unit, self._backward_multiplier())
 
     @_engine_time
     def _end_backward(self) -> None:
@@ -391,8 +394,15 @@ class ZeroEngine:
         if self.policy.shard_params:
             self.gathers.release_all()
         self._go(StepPhase.ACCUMULATED)
-        self.update.end_backward(self.grads.multiplier)
+        self.update.end_backward(self._backward_multiplier())
         self.stats.stop("backward")
+
+    def _backward_multiplier(self) -> float:
+        """The multiplier an update begun in backward applies: the step's if nothing clips it and fp16
+        does not overflow (1, or fp16's unscale 1 / loss scale, as GradReducer.finish makes it)."""
+        if self.loss_scaler is None:
+            return self.grads.multiplier
+        return self.grads.multiplier / self.loss_scaler.scale
 
     # ------------------------------------------------------------ the step (driven by the optimizer)
 
@@ -421,6 +431,7 @@ class ZeroEngine:
             raise RuntimeError(f"optimizer.step() on rank {self.rank} while a step is running")
         self.stats.start("step")
         if self._finish_grads():
+            self.update.skip_step()
             self.loss_scaler.update(True)
             self.hyper.skipped_steps += 1
             self._end_step()

@@ -30,6 +30,13 @@ the plain step's, only later. A backward, ``gathered()``, a checkpoint save,
 there raises at that point with the step counted but not whole: as after a
 backward that raised mid-update, only a checkpoint load makes the state whole.
 
+**speculative** (:mod:`infinity.zero.speculation`). A step that speculates runs as
+the backward mode does, but each update writes spare copies and keeps the
+gradients, so clipping and fp16 are allowed: ``optimizer.step()`` commits the
+spares or redoes the update from the untouched state. A step the policy does
+not speculate on runs as next_forward (:attr:`OverlappedStep.speculating`, set
+before the step's first backward).
+
 A backward that raises part-way during a backward-mode update leaves the units
 already updated updated, and the step uncounted: the engine then refuses
 ``zero_grad`` and the step until a checkpoint is loaded.
@@ -88,6 +95,9 @@ class OverlappedStep:
         self._submitted: set = set()       # unit indices whose update this step has begun
         self._backward_end_s: float | None = None
         self._submitted_in_backward = 0
+        # mode speculative: whether this step updates in its last backward (else it runs as next_forward),
+        # set by the caller before the step's first backward (infinity.zero.speculation)
+        self.speculating = mode == "speculative"
 
     def _go(self, phase: OverlapPhase) -> None:
         self.phase = _MOVES.check(self.phase, phase, f"rank {self.rank}")
@@ -103,7 +113,12 @@ class OverlappedStep:
         """A backward starts (after :meth:`check_new_backward`); ``sync`` False: inside ``no_sync()``,
         not the step's last. Backward mode: the ``accum_steps``-th backward since the step updates."""
         self._backwards += 1
-        self._last_backward = self.mode == "backward" and sync and self._backwards >= self.accum_steps
+        in_backward = self.mode == "backward" or (self.mode == "speculative" and self.speculating)
+        self._last_backward = in_backward and sync and self._backwards >= self.accum_steps
+
+    def first_backward(self) -> bool:
+        """No backward has run since the last step (or zero_grad): the next one is the step's first."""
+        return self._backwards == 0
 
     def new_step(self) -> None:
         """Gradients were zeroed: the next backward is the step's first again."""

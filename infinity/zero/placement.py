@@ -73,15 +73,23 @@ class Placement:
     master_format: str = "fp32"
     # ``optimizer.moments``: the stored format of Adam's two moments ("fp32", "bf16" or "int8")
     moments_format: str = "fp32"
+    # ``optimizer.overlap_mode`` speculative: each stored class Adam writes has a spare copy beside it (same
+    # home); a job's NVMe-homed states need no more host room (the copy read is handed to the spare's key)
+    spares: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
+        overlap = config.update_overlap()
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=off.chunk_bytes, defer_grad_writes=config.update_overlap() == "backward",
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=overlap in ("backward", "speculative"),
                    host_resident=off.host_resident_bytes, master_format=config.optimizer.master,
-                   moments_format=config.optimizer.moments)
+                   moments_format=config.optimizer.moments, spares=overlap == "speculative")
+
+    def copies(self, cls: TensorClass) -> int:
+        """Stored copies of each element of ``cls``: 2 for a class Adam writes when it has spares, else 1."""
+        return 2 if self.spares and cls is not TensorClass.GRAD else 1
 
     @property
     def any_offload(self) -> bool:
@@ -189,8 +197,8 @@ class Placement:
         for u in units:
             job = one_chunk = 0
             for cls, itemsize in sizes.items():   # int8 moments: 65/64 B, whole blocks give whole bytes
-                if self.home(cls) is Tier.HOST:
-                    homed += int(itemsize * u.shard_numel)
+                if self.home(cls) is Tier.HOST:   # with spares: homed twice
+                    homed += int(itemsize * self.copies(cls) * u.shard_numel)
                     continue
                 one_chunk += int(itemsize * min(u.shard_numel, chunk))
                 job += int(itemsize * (u.shard_numel if deferred and cls is TensorClass.GRAD
@@ -258,7 +266,7 @@ class Placement:
         if self.optimizer is Tier.NVME:
             passes.append(tuple(c for c in OPTIMIZER_CLASSES if c in sizes))
         ordered = sorted(units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
-        candidates = [(u.index, c, classes, sum(sizes.get(cls, 0) for cls in classes) * (hi - lo))
+        candidates = [(u.index, c, classes, sum(sizes.get(cls, 0) * self.copies(cls) for cls in classes) * (hi - lo))
                       for classes in passes for u in ordered
                       for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk))]
         plan: dict = {}
@@ -291,7 +299,7 @@ class Placement:
             for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
                 for cls, itemsize in sizes.items():
                     if (cls, c) in kept or self.home(cls) is Tier.HOST:
-                        held += itemsize * (hi - lo)
+                        held += itemsize * self.copies(cls) * (hi - lo)
                     elif cls in OPTIMIZER_CLASSES:   # homed on NVMe
                         streamed += itemsize * (hi - lo)
         return streamed > host_bytes - held

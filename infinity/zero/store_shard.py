@@ -40,7 +40,7 @@ import threading
 import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
-from infinity.store import BudgetError, TensorStore, Tier
+from infinity.store import BudgetError, StoreError, TensorStore, Tier
 from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds, fold_owner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
@@ -98,6 +98,10 @@ class StoreUnitShard(UnitShard):
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
+        # a speculative update's spare copies (infinity.zero.speculation), swapped in on commit: TensorClass ->
+        # spare keys per chunk (stored classes); (TensorClass, chunk) -> spare tensor (classes in memory)
+        self._spares: dict = {}
+        self._spare_tensors: dict = {}
         # TensorClass -> its stored layout (int8 moments: rows of blocks, moment_codes); others flat
         self._layouts: dict = {}
 
@@ -428,6 +432,71 @@ class StoreUnitShard(UnitShard):
         lo, hi = self.bounds[chunk]
         return self._rows(cls, tensor, lo, hi)
 
+    # ------------------------------------------------------------ a speculative update's spares
+
+    def add_spares(self, classes) -> None:
+        """Register a spare key beside each chunk key of the stored ``classes`` (same shape, dtype and
+        home), for updates that write there and leave the current keys as they were (waits until home).
+        Aliases share their spares."""
+        for cls in classes:
+            keys = self._keys.get(cls)
+            if keys is None or cls in self._spares:
+                continue
+            same = [other for other, k in self._keys.items() if k is keys and other in self._spares]
+            if same:
+                self._spares[cls] = self._spares[same[0]]
+                continue
+            spares = tuple(f"{key}~" for key in keys)
+            futures = []
+            for key, spare in zip(keys, spares):
+                shape, dtype = self.store.layout(key)
+                futures.append(self.store.register(spare, shape, dtype=dtype, home=self.store.home(key)))
+            for f in futures:
+                self.store.wait(f)
+            for key, spare in zip(keys, spares):   # a spare is claimed whole before it is read: nothing cached
+                if self.store.home(spare) is not Tier.HOST:
+                    self.store.wait(self.store.evict(spare, Tier.HOST))
+            self._spares[cls] = spares
+
+    def spare_field(self, cls: TensorClass, chunk: int = 0):
+        """Where a speculative job writes chunk ``chunk`` of ``cls``: its spare key (stored classes, see
+        :meth:`add_spares`), or a spare tensor shaped like the chunk (classes in memory, made on first use)."""
+        if cls in self._keys:
+            return self._spares[cls][chunk]
+        spare = self._spare_tensors.get((cls, chunk))
+        if spare is None:
+            spare = self._spare_tensors[(cls, chunk)] = torch.empty_like(self.job_field(cls, chunk))
+        return spare
+
+    def spare_drops(self, chunk: int = 0) -> tuple:
+        """:meth:`dropped_after_update` for a speculative job: the spare keys of the streamed states."""
+        return tuple(self._spares[cls][chunk] for cls in OPTIMIZER_CLASSES
+                     if cls in self._spares and self._streamed(cls, chunk))
+
+    def commit_spares(self, classes) -> None:
+        """A speculative update of ``classes`` is final: each spare key becomes the class's key (and the
+        old key the spare, its cached copies dropped: they hold the step before), and each spare tensor's
+        bytes are copied into the class's tensor."""
+        moved: list = []
+        for cls in classes:
+            if cls in self._spares and cls in self._keys:
+                old, new = self._keys[cls], self._spares[cls]
+                if any(old is m for m in moved):
+                    continue   # an alias of a class already moved
+                for other in [c for c, k in self._keys.items() if k is old]:   # aliases move together
+                    self._keys[other], self._spares[other] = new, old
+                moved.append(new)
+                for key in old:   # their room, sooner than the LRU would free it (a pinned one is left to it)
+                    for tier in (Tier.DEVICE, Tier.HOST):
+                        if tier.rank < self.store.home(key).rank:
+                            with contextlib.suppress(StoreError):
+                                self.store.discard(key, tier)
+            else:
+                for (c_cls, chunk), spare in self._spare_tensors.items():
+                    if c_cls is cls:
+                        field = self.job_field(cls, chunk)
+                        field.copy_(spare)
+
     def write_back_lent(self) -> None:
         self.lent.write_back()
 
@@ -445,10 +514,12 @@ class StoreUnitShard(UnitShard):
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
         self._finish_pending_fold()   # no copy may still land in a key being released
-        for key in {k for keys in self._keys.values() for k in keys}:
+        for key in {k for keys in [*self._keys.values(), *self._spares.values()] for k in keys}:
             if key in self.store:
                 self.store.release(key)
         self._keys.clear()
+        self._spares.clear()
+        self._spare_tensors.clear()
         super().release()
 
 

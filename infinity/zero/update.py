@@ -16,6 +16,9 @@ starts during the step's last backward and each unit is submitted as soon as
 its gradient shard is final; the step then only finishes it. Or (mode
 ``next_forward``) the step launches every unit in forward order and returns;
 the next forward waits for each unit (:meth:`ShardUpdate.wait_unit`) before use.
+Or (mode ``speculative``, :mod:`infinity.zero.speculation`) the last backward
+updates into spare copies before the clip norm is known, and the step commits
+them or redoes the update from the untouched state.
 
 A failed update (say ENOSPC while writing a shard home) leaves each unit
 marked updated or not; the next :meth:`ShardUpdate.run` retries the writes
@@ -33,9 +36,11 @@ import time
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.pipeline import AdamPipeline, ShardJob
+from infinity.store import StoreError, Tier
 from infinity.zero.grad_staging import is_fold_owner
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.overlap import OverlappedStep, OverlapPhase
+from infinity.zero.speculation import SpeculationPolicy, spare_classes
 from infinity.zero.units import TensorClass
 
 __all__ = ["ShardUpdate"]
@@ -62,7 +67,12 @@ class ShardUpdate:
         # update while they do: its swap-in may wait for them (grad_staging.is_fold_owner)
         self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, yields_to=is_fold_owner)
         self.overlap = OverlappedStep(rank, overlap_mode, accum_steps) if overlap_mode != "off" else None
-        self.launches = self.overlap is not None and overlap_mode == "next_forward"
+        # speculative: whether each step speculates (else it runs as next_forward), and the running one
+        self.speculation = SpeculationPolicy() if overlap_mode == "speculative" else None
+        self._spec: dict | None = None      # the step's speculation: its multiplier, units, hyper, redo
+        self._outcome: dict | None = None   # how the step's speculation ended, for its stats
+        self._unclipped: bool | None = None   # the step's multiplier was the one a speculation uses
+        self._expected_scale = 1.0          # that multiplier (the engine's, at the end of backward)
         self._launched_stats: dict | None = None   # the launched step's offload stats, completed when settled
         self._settled_update: dict | None = None   # ... and those stats once complete, for the next end_step
         self._forward_wait_s = 0.0
@@ -77,6 +87,21 @@ class ShardUpdate:
         self._store_mark: dict | None = None
         self._resident: int | None = None
 
+    @property
+    def launches(self) -> bool:
+        """This step's update is launched by step() for the next forward: mode next_forward, or a
+        speculative mode's step that does not speculate (:class:`SpeculationPolicy`)."""
+        if self.overlap is None:
+            return False
+        if self.speculation is not None:
+            return not self.overlap.speculating
+        return self.overlap.mode == "next_forward"
+
+    @property
+    def may_launch(self) -> bool:
+        """Whether some step's update may be launched for the next forward (its hooks wait per unit)."""
+        return self.overlap is not None and self.overlap.mode in ("next_forward", "speculative")
+
     def close(self) -> None:
         """Stop the pipeline (a step still running is dropped) and CPU Adam's threads."""
         try:
@@ -89,6 +114,11 @@ class ShardUpdate:
     def run(self, grad_scale: float) -> None:
         """Update every unit not yet updated in this step, each gradient read times ``grad_scale`` (unscale x
         clip); raises with the units' ``updated`` marks kept. The caller waits for folded gradients' writes first."""
+        if self.speculation is not None and self._spec is None:
+            self._unclipped = grad_scale == self._expected_scale
+        if self._spec is not None:
+            self._finish_speculation(grad_scale)
+            return
         done_before = [u for u in self.units if u.updated]
         try:
             for f in [f for u in done_before for f in u.shard.write_back_dirty()]:
@@ -194,36 +224,129 @@ class ShardUpdate:
                            "(optimizer.overlap_mode next_forward) failed part-way; the state is newer than the "
                            "step count says: load the last checkpoint")
 
-    def _begin(self) -> None:
-        """Start the pipeline with this step's hyper-parameters as they are now."""
-        self.pipeline.start(self.hyper.for_step().__getitem__)
+    def _begin(self, hyper=None):
+        """Start the pipeline with ``hyper`` (default: this step's hyper-parameters as they are now); returns it."""
+        hyper = hyper if hyper is not None else self.hyper.for_step().__getitem__
+        self.pipeline.start(hyper)
+        return hyper
 
-    def _jobs(self, unit, grad_scale: float) -> list:
+    # ------------------------------------------------------------ optimizer.overlap_mode speculative
+
+    def _finish_speculation(self, grad_scale: float) -> None:
+        """step() after a speculative backward: wait for its updates, redo them with ``grad_scale`` if the
+        step's multiplier is not the one they used (or a try failed), then commit every unit's spares.
+        Raises with nothing committed: step() again redoes the whole step (zero_grad() drops it)."""
+        spec = self._spec
+        try:
+            if self.pipeline.running:
+                self.last_stats = self.pipeline.finish()
+            redo = spec["failed"] or grad_scale != spec["scale"]
+            if redo:
+                t0 = time.perf_counter()
+                self._begin(spec["hyper"])
+                try:
+                    for unit in spec["units"]:
+                        for job in self._jobs(unit, grad_scale, spare=True):
+                            self.pipeline.submit(job)
+                except BaseException:
+                    self.pipeline.abort()
+                    raise
+                # the step's stats: the speculation's (its update start times say what ran in backward),
+                # with the redo's Adam and I/O waits added
+                first, redone = self.last_stats, self.pipeline.finish()
+                self.last_stats = {**first, **{k: first.get(k, 0.0) + redone[k] for k in
+                                               ("adam_s", "swap_in_wait_s", "swap_out_wait_s")}}
+                spec["redo_s"] = time.perf_counter() - t0
+                spec["redo_adam_s"] = redone["adam_s"]
+        except BaseException:
+            spec["failed"] = True
+            raise
+        self._commit(spec["units"])
+        self._spec = None
+        self._unclipped = not redo
+        self._outcome = {"speculated": True, "committed": True, "redone": redo,
+                         "redo_s": spec.get("redo_s", 0.0), "redo_adam_s": spec.get("redo_adam_s", 0.0)}
+
+    def _commit(self, units: list) -> None:
+        """The speculative update is final: spares swapped in, consumed gradients dropped, (stages 1-2)
+        new parameters all-gathered."""
+        classes = spare_classes()
+        for unit in units:
+            unit.shard.commit_spares(classes)
+            unit.updated, unit.chunks_updated = True, len(unit.shard.chunks())
+        self._drop_grads(units)
+        if self.policy.gather_after_step:
+            for unit in units:
+                self.gather_updated(unit, unit.shard.get(TensorClass.PARAM))
+        while self._post_gathers:
+            self._post_gathers.popleft().wait()
+
+    def _drop_grads(self, units: list) -> None:
+        """Gradients kept for a redo are dead once the step is decided (the next fold overwrites them)."""
+        for unit in units:
+            for c in range(len(unit.shard.chunks())):
+                for key in unit.shard.consumed_after_update(c):
+                    with contextlib.suppress(StoreError):   # a pinned copy: left to be overwritten unread
+                        self.store.discard(key, Tier.HOST)
+
+    def _drop_speculation(self, outcome: dict | None) -> None:
+        """Forget the step's speculation (nothing of it was committed): its updates are stopped."""
+        if self._spec is None:
+            return
+        units, self._spec = self._spec["units"], None
+        self.pipeline.abort()
+        self._drop_grads(units)
+        self._outcome = outcome
+
+    def skip_step(self) -> None:
+        """fp16 overflow: the step is skipped; a speculation's updates are dropped."""
+        if self.speculation is not None:
+            self._unclipped = False
+            self._drop_speculation({"speculated": True, "committed": False, "redone": False, "skipped": True})
+
+    def _jobs(self, unit, grad_scale: float, spare: bool = False) -> list:
         """``unit``'s jobs not yet done this step: one per chunk of its shard (one when unchunked,
-        named after the unit; else ``name#chunk``). Its gradient shard must be final."""
+        named after the unit; else ``name#chunk``). Its gradient shard must be final. ``spare``: a
+        speculative update's jobs (see :mod:`infinity.zero.speculation`): written fields go to the
+        shard's spares, read from the current copies, and the gradient is kept."""
         s = unit.shard
         s.write_back_lent()
         chunks = s.chunks()
         ranges = unit.shard_group_ranges(self.shard_rank)
         alias = s.is_alias(TensorClass.MASTER, TensorClass.PARAM)
         jobs = []
-        for c in range(unit.chunks_updated, len(chunks)):
+        for c in range(0 if spare else unit.chunks_updated, len(chunks)):
             lo, hi = chunks[c] or (0, unit.shard_numel)
             # stages 1-2: the unit's parameter shard is gathered once its last chunk has landed
             last = c == len(chunks) - 1
             on_done = (lambda param, unit=unit: self.gather_updated(unit, param if chunks == [None] else
                                                                     unit.shard.get(TensorClass.PARAM))) \
-                if self.policy.gather_after_step and last else None
+                if self.policy.gather_after_step and last and not spare else None
+            fields = {"master": s.job_field(TensorClass.MASTER, c), "exp_avg": s.job_field(TensorClass.EXP_AVG, c),
+                      "exp_avg_sq": s.job_field(TensorClass.EXP_AVG_SQ, c),
+                      "param_out": None if alias else s.job_field(TensorClass.PARAM, c)}
+            sources: dict = {}
+            if spare:   # written into the spares; Adam reads the old values of all but a new parameter
+                classes = {"master": TensorClass.MASTER, "exp_avg": TensorClass.EXP_AVG,
+                           "exp_avg_sq": TensorClass.EXP_AVG_SQ, "param_out": TensorClass.PARAM}
+                for name, current in fields.items():
+                    if current is None:
+                        continue
+                    if name != "param_out" or self.split_master:
+                        sources[name] = current
+                    fields[name] = s.spare_field(classes[name], c)
             jobs.append(ShardJob(
                 unit.name if chunks == [None] else f"{unit.name}#{c}",
-                s.job_field(TensorClass.MASTER, c), s.job_field(TensorClass.EXP_AVG, c),
-                s.job_field(TensorClass.EXP_AVG_SQ, c), s.job_field(TensorClass.GRAD, c),
-                None if alias else s.job_field(TensorClass.PARAM, c),
+                fields["master"], fields["exp_avg"], fields["exp_avg_sq"], s.job_field(TensorClass.GRAD, c),
+                fields["param_out"],
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
-                on_done, grad_scale=grad_scale, discard=s.consumed_after_update(c),
-                drop=s.dropped_after_update(c), master_is_remainder=self.split_master,
+                on_done, grad_scale=grad_scale,
+                # a speculative job keeps its gradient (a redo reads it) and drops its sources' cached copies
+                discard=tuple(v for v in sources.values() if isinstance(v, str)) if spare
+                else s.consumed_after_update(c),
+                drop=s.spare_drops(c) if spare else s.dropped_after_update(c), master_is_remainder=self.split_master,
                 moments_blocked=self.blocked_moments, unit_index=unit.index,
-                element_offset=self.shard_rank * unit.shard_numel + lo))
+                element_offset=self.shard_rank * unit.shard_numel + lo, sources=sources))
             self._owner[jobs[-1].name] = unit
         return jobs
 
@@ -242,6 +365,7 @@ class ShardUpdate:
 
     def abort_step(self) -> None:
         """Drop a running pipeline (a checkpoint load replaces every shard)."""
+        self._spec = None
         self.pipeline.abort()
         self.partial_overlapped_update = False
         while self._post_gathers:
@@ -261,9 +385,13 @@ class ShardUpdate:
     def _submit(self, units: list, grad_scale: float) -> None:
         for unit in units:
             if self.overlap.starts_step():
-                self._begin()
+                hyper = self._begin()
+                if self.speculation is not None:   # a speculating step's first unit
+                    self._spec = {"scale": grad_scale, "units": [], "hyper": hyper, "failed": False}
             self.overlap.submitting(unit)
-            for job in self._jobs(unit, grad_scale):
+            if self._spec is not None:
+                self._spec["units"].append(unit)
+            for job in self._jobs(unit, grad_scale, spare=self._spec is not None):
                 self.pipeline.submit(job)
 
     @contextlib.contextmanager
@@ -276,6 +404,8 @@ class ShardUpdate:
             self._flushing = False
 
     def end_backward(self, grad_scale: float) -> None:
+        """Backward is done; ``grad_scale`` is the multiplier a speculation uses (1, or fp16's unscale)."""
+        self._expected_scale = grad_scale
         if self.overlap is not None:
             self._submit(self.overlap.end_backward(), grad_scale)
             self.overlap.backward_done()
@@ -287,6 +417,9 @@ class ShardUpdate:
             return
         began = self.overlap.abort()
         self.pipeline.abort()
+        if self._spec is not None:   # a speculation wrote only spares: the state is the last step's
+            self._drop_speculation({"speculated": True, "committed": False, "redone": False, "aborted": True})
+            return
         self.partial_overlapped_update = self.partial_overlapped_update or began
 
     def begin_backward(self, sync: bool) -> None:
@@ -295,10 +428,16 @@ class ShardUpdate:
         if self.overlap is not None:
             self.settle()
             self.overlap.check_new_backward()
+            if self.speculation is not None and self.overlap.first_backward():
+                self.overlap.speculating = self.speculation.speculate()
             self.overlap.begin_backward(sync)
 
     def new_step(self) -> None:
-        """Gradients were zeroed: the next backward is the step's first."""
+        """Gradients were zeroed: the next backward is the step's first (a speculative step that
+        failed in step() is dropped: the state is the last committed step's)."""
+        if self._spec is not None:
+            self._drop_speculation(None)
+            self.overlap.abort()   # its units no longer wait for a step
         if self.overlap is not None:
             self.overlap.new_step()
 
@@ -310,11 +449,11 @@ class ShardUpdate:
             self.overlap.check_gather(unit)
 
     def check_clip(self) -> None:
-        if self.overlap is not None and self.overlap.phase is not OverlapPhase.IDLE:
+        if self.overlap is not None and self.overlap.phase is not OverlapPhase.IDLE and self._spec is None:
             raise RuntimeError(f"clip_grad_norm_() on rank {self.rank} with optimizer.overlap_mode backward: "
                                "the update ran during backward, but clipping needs every gradient before any "
-                               "update; set optimizer.overlap_mode next_forward (or auto with "
-                               "schedule.clip_grad_norm set) to clip")
+                               "update; set optimizer.overlap_mode next_forward or speculative (or auto "
+                               "with schedule.clip_grad_norm set) to clip")
 
     def updating(self, index: int) -> bool:
         """Whether unit ``index``'s update has begun this step (it is not to be gathered or prefetched)."""
@@ -369,6 +508,13 @@ class ShardUpdate:
         }
         if self.overlap is not None:
             last_step["offload"].update(self.overlap.end_step(self.last_stats))
+            if self.speculation is not None:
+                outcome = self._outcome or {"speculated": False}
+                if self._unclipped is not None:
+                    self.speculation.record(outcome["speculated"], self._unclipped)
+                # what the next step does: speculate when calm >= calm_needed
+                last_step["offload"]["speculation"] = {**outcome, **self.speculation.state()}
+                self._outcome, self._unclipped = None, None
             if self._settled_update is not None:   # the previous step's launched update, waited for in this one
                 last_step["offload"]["previous_update"] = self._settled_update
                 self._settled_update = None

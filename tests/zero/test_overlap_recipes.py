@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,13 +56,16 @@ def recipe(spec: dict) -> dict:
     parameters."""
     rank, world = _rank_world()
     cfg = offload_cases.offload_config(spec, rank, world)
-    cfg["optimizer"].update(overlap_backward=spec["overlap"], overlap_mode=spec.get("mode", "auto"))
+    cfg["optimizer"].update(overlap_backward=spec["overlap"], overlap_mode=spec.get("mode", "auto"),
+                            master=spec.get("master", "fp32"), moments=spec.get("moments", "fp32"))
     cfg["schedule"] = {"clip_grad_norm": spec.get("clip"), "accum_steps": spec.get("accum_steps", 1)}
     if spec.get("dtype") == "fp16":
         cfg["precision"].update(initial_loss_scale=spec["loss_scale"], loss_scale_window=2)
     model = offload_cases.build(spec["model"], spec.get("seed", 0))
     model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
     engine = infinity.engine_of(model)
+    if spec.get("always_speculate") and engine.update.speculation is not None:   # no fallback: every step speculates
+        engine.update.speculation.speculate = lambda: True
     sched = zero_cases.make_scheduler(opt, spec)
     accum = spec["accum"]
     losses, norms, stats = [], [], []
@@ -163,6 +167,92 @@ def test_recipes_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
                 [s["submitted_in_backward"] for s in b["stats"]]
 
 
+# ---------------------------------------------------------------- speculative: commit, redo, fall back
+
+# a speculative job holds the current and the spare copy of each state: twice the SMALL host working set
+SPEC_HOST = 640 * 1024
+SPECULATIVE = [
+    dict(name="s3-clip", placement="s3-nvme", clip=CLIP, host_bytes=SPEC_HOST),
+    dict(name="s3-clip-always", placement="s3-nvme", clip=CLIP, host_bytes=SPEC_HOST, always_speculate=True),
+    dict(name="s2-nvme-clip-accum4", placement="s2-nvme", clip=CLIP, accum=4, accum_steps=4, host_bytes=SPEC_HOST),
+    dict(name="s2-host-clip-always", placement="s2-host", clip=CLIP, host_bytes=1 << 20, always_speculate=True),
+    dict(name="s3-fp16", placement="s3-nvme", dtype="fp16", loss_scale=2.0**18, host_bytes=SPEC_HOST,
+         always_speculate=True),
+    dict(name="s2-host-fp16-clip-accum2", placement="s2-host", dtype="fp16", loss_scale=2.0**18, clip=CLIP, accum=2,
+         accum_steps=2, host_bytes=1 << 20),
+    dict(name="s3-bf16-remainder-int8-clip", placement="s3-nvme", dtype="bf16", master="remainder", moments="int8",
+         clip=CLIP, host_bytes=SPEC_HOST, always_speculate=True),
+]
+
+
+@pytest.mark.parametrize("world_size", (1, 2))
+def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
+    """overlap_mode speculative: each speculating step updates during its last backward (units submitted in
+    it), and step() commits it when the multiplier is unclipped (nothing redone), redoes it when clipped,
+    drops it on an fp16 overflow; the policy falls back to next_forward after a redo. Every result bitwise
+    the plain step's."""
+    cases = [dict(c, mode="speculative") for c in SPECULATIVE]
+    per_rank = worlds(world_size).run(many, _pairs(tmp_path, cases))
+    results = per_rank[0]
+    for case, off, on in zip(cases, results[0::2], results[1::2]):
+        what = f"{case['name']}, world {world_size}"
+        _assert_same(off, on, what)
+        assert on["losses"][0] != on["losses"][-1], f"{what}: training did not move"
+        outcomes = [s["speculation"] for s in on["stats"]]
+        assert all(s["overlap_mode"] == "speculative" for s in on["stats"]), what
+        if case.get("dtype") == "fp16":
+            skipped = [o.get("skipped", False) for o in outcomes]
+            assert 0 < on["skipped"] == sum(skipped) < BASE["steps"], (what, outcomes)
+        clipped = [n > CLIP for n in off["norms"]]
+        if case.get("clip") is not None and case.get("dtype") != "fp16":
+            assert any(clipped) and not all(clipped), f"{what}: norms {off['norms']} do not test both branches"
+        # an fp16 overflow: a skipped step (its clip norm reads inf); unclipped: the final multiplier is the
+        # one a speculation uses (no clip, no overflow), so a speculation commits without a redo
+        norms = off["norms"] or [None] * len(outcomes)
+        overflow = [bool(o.get("skipped")) or n == float("inf") for o, n in zip(outcomes, norms)]
+        unclipped = [not skip and (n is None or n <= CLIP) for skip, n in zip(overflow, norms)]
+        expected = _policy_replay(unclipped, case.get("always_speculate", False))
+        assert [o["speculated"] for o in outcomes] == expected, (what, outcomes)
+        for step, (o, st) in enumerate(zip(outcomes, on["stats"])):
+            if o["speculated"]:   # updated during backward; step() committed (or redid) it, or skipped it
+                assert st["submitted_in_backward"] > 0 and not st.get("update_deferred"), (what, step, st)
+                assert o["committed"] == (not overflow[step]) and o.get("skipped", False) == overflow[step], \
+                    (what, step, o)
+                assert o["redone"] == (not unclipped[step] and not overflow[step]), (what, step, o)
+                assert (o.get("redo_s", 0) > 0) == o["redone"], (what, step, o)
+            else:   # the fallback: next_forward, launched by step() unless skipped
+                assert st["submitted_in_backward"] == 0, (what, step, st)
+                assert bool(st.get("update_deferred")) == (not overflow[step]), (what, step, st)
+        if not case.get("always_speculate"):
+            assert not all(expected) and any(expected), f"{what}: speculation and its fallback both ran"
+        else:
+            assert any(o.get("redone") or o.get("skipped") for o in outcomes), f"{what}: nothing was redone"
+    for r in per_rank[1:]:   # every rank speculated, committed, redid and skipped the same steps
+        for a, b in zip(r[1::2], results[1::2]):
+            assert [_outcome(st) for st in a["stats"]] == [_outcome(st) for st in b["stats"]]
+
+
+def _outcome(stats: dict) -> tuple:
+    o = stats["speculation"]
+    return o["speculated"], o.get("committed"), o.get("redone"), o.get("skipped")
+
+
+def _policy_replay(unclipped: list, always: bool) -> list:
+    """The steps that speculate, by the rule SpeculationPolicy documents: after a failed speculation wait
+    for 1, 2, 4, ... unclipped steps in a row (doubling while speculations keep failing), reset on a commit."""
+    speculated, need, calm, wait = [], 0, 0, 1
+    for ok in unclipped:
+        now = always or calm >= need
+        speculated.append(now)
+        if now and ok:
+            need, calm, wait = 0, 0, 1
+        elif now:
+            need, calm, wait = wait, 0, min(2 * wait, 32)
+        else:
+            calm = calm + 1 if ok else 0
+    return speculated
+
+
 @pytest.mark.parametrize("world_size", (1, 2))
 def test_accumulated_gradients_that_fill_the_host_tier_are_spilled_before_any_update(worlds, tmp_path, world_size):
     """Backward mode, NVMe gradients, accumulation 2, a host budget at the minimum, 24 small units: the first
@@ -182,7 +272,7 @@ def test_accumulated_gradients_that_fill_the_host_tier_are_spilled_before_any_up
 
 def _start(spec: dict, overlap: bool = True):
     cfg = offload_cases.offload_config(spec, *_rank_world())
-    cfg["optimizer"].update(overlap_backward=overlap)
+    cfg["optimizer"].update(overlap_backward=overlap, overlap_mode=spec.get("mode", "auto"))
     cfg["schedule"] = {"clip_grad_norm": spec.get("clip", CLIP)}
     model = offload_cases.build("gpt", 0)
     model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
@@ -360,6 +450,111 @@ def test_sigkill_inside_a_launched_update_then_resume_loses_nothing(tmp_path):
 
     def run(mode: str) -> int:
         return subprocess.run([sys.executable, str(script), mode, str(tmp_path)], timeout=300,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
+
+    assert run("kill") == -signal.SIGKILL
+    assert (tmp_path / "ckpt").exists() and not (tmp_path / "kill.pt").exists()
+    assert run("resume") == 0 and run("straight") == 0
+    resumed, straight = torch.load(tmp_path / "resume.pt"), torch.load(tmp_path / "straight.pt")
+    for name, p in straight.items():
+        assert torch.equal(resumed[name], p), name
+
+
+# ---------------------------------------------------------------- speculative: faults
+
+def speculative_faulted(spec: dict) -> dict:
+    """Steps 0-3 with clipping, every step speculating. ``fault`` hits step 2's speculative update: "enospc"
+    (a spare's write home fails), "raise" (CPU Adam raises), so step() raises; or "backward" (the user's
+    code raises in the middle of the backward, after one unit's update has run). Then ``after`` "retry" calls
+    step() again, or "drop" zero_grads (nothing of the step is kept) and runs step 2 again."""
+    model, opt, engine = _start(spec, overlap=spec["overlap"])
+    if engine.update.speculation is not None:
+        engine.update.speculation.speculate = lambda: True
+    out: dict = {"error": None}
+    try:
+        for step in range(4):
+            if step != 2 or not spec.get("fault"):
+                _step(model, opt, step)
+                continue
+            before = _params(model, engine)
+            ids = global_batch(step, 8)
+            loss = model(input_ids=ids, labels=ids).loss
+            real, calls = engine.update.adam.step_, []
+            fault = spec["fault"]
+            if fault == "raise":
+                def failing(*args, **kwargs):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise RuntimeError("injected failure in the speculative update")
+                    return real(*args, **kwargs)
+                engine.update.adam.step_ = failing
+            elif fault == "enospc":
+                wait_store_idle(engine.store)
+                engine.store._engine.syscalls.inject("pwritev", errno.ENOSPC, count=1)
+            else:   # raised by a hook on the first block's weight, once the last block's update has run
+                first_block = model.transformer.h[0].mlp.c_fc.weight
+
+                def raising(grad):
+                    deadline = time.monotonic() + 30
+                    while not engine.update.pipeline.updated and time.monotonic() < deadline:
+                        time.sleep(0.001)
+                    out["updated_before_raise"] = list(engine.update.pipeline.updated)
+                    raise RuntimeError("injected failure in backward")
+                handle = first_block.register_hook(raising)
+            try:
+                with pytest.raises((RuntimeError, OSError)) as err:
+                    loss.backward()
+                    opt.clip_grad_norm_(CLIP)
+                    opt.step()
+                out["error"] = str(err.value)
+            finally:
+                engine.update.adam.step_ = real
+                engine.store._engine.syscalls.clear()
+                if fault == "backward":
+                    handle.remove()
+            if spec["after"] == "retry" and fault != "backward":
+                opt.step()
+                opt.zero_grad()
+            else:
+                opt.zero_grad()   # not refused: nothing of the step was kept
+                out["dropped"] = _params(model, engine)
+                out["before"] = before
+                _step(model, opt, step)
+        out["params"] = _params(model, engine)
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("fault,after", [("enospc", "retry"), ("enospc", "drop"), ("raise", "retry"),
+                                         ("backward", "drop")])
+def test_a_speculative_step_that_fails_keeps_the_last_committed_state(tmp_path, fault, after):
+    """A failure inside a speculative step (ENOSPC writing a spare, an exception in its update or in the
+    backward it overlaps) leaves the state of the last committed step: zero_grad() is allowed and the
+    parameters are bitwise those before the step; or step() again redoes the step whole. Either way the run
+    ends bitwise where a run without overlap (and without the fault) ends."""
+    base = {**BASE, **PLACEMENTS["s3-nvme"], "scheduler": False, "host_bytes": SPEC_HOST, "mode": "speculative"}
+    ref = speculative_faulted(dict(base, overlap=False, tmp=str(tmp_path / "ref")))
+    got = speculative_faulted(dict(base, overlap=True, fault=fault, after=after, tmp=str(tmp_path / fault)))
+    expected = {"raise": "injected failure in the speculative update", "enospc": "No space left on device",
+                "backward": "injected failure in backward"}[fault]
+    assert expected in got["error"], got["error"]
+    if fault == "backward":
+        assert got["updated_before_raise"], "no unit was updated before the backward raised"
+    if after == "drop":
+        for name, p in got["before"].items():
+            assert torch.equal(got["dropped"][name], p), f"{fault}: {name} changed by a dropped step"
+    for name, p in ref["params"].items():
+        assert torch.equal(got["params"][name], p), f"{fault}/{after}: {name}"
+
+
+def test_sigkill_inside_a_speculative_update_then_resume_loses_nothing(tmp_path):
+    """A process SIGKILLed inside a speculative update (during backward, spares half written): a new
+    process resumes from the last checkpoint and ends bitwise where a run without overlap ends."""
+    script = Path(__file__).resolve().parents[1] / "helpers" / "overlap_kill_script.py"
+
+    def run(mode: str) -> int:
+        return subprocess.run([sys.executable, str(script), mode, str(tmp_path), "speculative"], timeout=300,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
 
     assert run("kill") == -signal.SIGKILL
