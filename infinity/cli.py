@@ -130,6 +130,10 @@ def _run_estimate(args) -> int:
                       f"{c.total_numel / num_params:g} x params", _size(c.total_bytes)))
     _print_table(table)
     print("not counted: activations, gathered stage-3 working set, buffers; host/nvme are per rank")
+    for e in rows:
+        if e.memory.spare_bytes:
+            print(f"config: includes {_size(e.memory.spare_bytes)} of spare parameter and optimizer copies "
+                  "(optimizer.overlap_mode speculative)")
     if memory is not None:
         print("\n" + "\n".join(memory["lines"]))
     elif config is not None:

@@ -143,13 +143,14 @@ def infinity_config(a) -> dict:
 
 def disk_need(a) -> dict:
     """Swap bytes of each system (ours: every class the placement homes on NVMe, in its stored format, as
-    the engine counts it) and of the disk test; they run one after the other, each removing its files, so
-    the largest counts, plus the peers' 4 GiB."""
+    the engine counts it, with a speculative update's spares) and of the disk test; they run one after
+    the other, each removing its files, so the largest counts, plus the peers' 4 GiB."""
     config = Config.from_dict(a.conf)
     placement = Placement.from_config(config)
     sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
-    per_param = sum(n for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
+    # overlap_mode speculative: each class Adam writes has a spare copy beside it (Placement.copies)
+    per_param = sum(n * placement.copies(cls) for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
     ours = int(a.n_params * per_param) + GIB   # the swap file grows in steps of up to 1 GiB (int8: 65/64 B)
     peer = a.n_params * 18 if a.peer else 0      # DeepSpeed: bf16 params, fp32 master, m, v and grads
     return {"infinity_swap": ours, "deepspeed_swap": peer, "disk_test": 2 * a.disk_bytes,

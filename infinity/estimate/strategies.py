@@ -177,6 +177,9 @@ class MemoryEstimate:
     param_bytes: int        # this rank's param (shard), wherever it lives
     grad_bytes: int
     optimizer_bytes: int
+    # optimizer.overlap_mode speculative: a spare copy of this rank's parameter shard and optimizer states,
+    # beside each in its tier (included in the tier totals)
+    spare_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,12 +218,14 @@ class Estimate:
 
 def estimate(num_params: int, world_size: int, placement: Placement, precision: str = "mixed",
              param_dtype: str | None = None, reduce_dtype: str | None = None,
-             state: StateBytes | None = None) -> Estimate:
+             state: StateBytes | None = None, spares: bool = False) -> Estimate:
     """Memory per rank and communication per step for one placement.
 
     ``precision`` ("mixed" or "fp32") sets the state bytes per parameter (``state`` overrides them:
     :func:`state_bytes` with the stored formats). ``param_dtype``/``reduce_dtype`` set the bytes per
-    communicated element; by default 2 for mixed, 4 for fp32.
+    communicated element; by default 2 for mixed, 4 for fp32. ``spares`` (``optimizer.overlap_mode``
+    speculative): a spare copy of what Adam writes, this rank's parameter shard and optimizer states, in
+    the tier of each (an fp32 parameter that is the master counts once).
     """
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
         raise ValueError(f"estimate: num_params must be a positive integer, got {num_params!r}")
@@ -240,9 +245,15 @@ def estimate(num_params: int, world_size: int, placement: Placement, precision: 
         numel = shard_numel if placement.sharded(cls) else num_params
         per_class[cls] = numel * getattr(state, cls)
         tiers[getattr(placement, cls)] += per_class[cls]
+    spare = 0
+    if spares:
+        for cls in ("param", "optimizer"):
+            tiers[getattr(placement, cls)] += shard_numel * getattr(state, cls)
+            spare += shard_numel * getattr(state, cls)
     memory = MemoryEstimate(
         device_bytes=tiers["device"], host_bytes=tiers["host"], nvme_bytes=tiers["nvme"],
-        param_bytes=per_class["param"], grad_bytes=per_class["grad"], optimizer_bytes=per_class["optimizer"])
+        param_bytes=per_class["param"], grad_bytes=per_class["grad"], optimizer_bytes=per_class["optimizer"],
+        spare_bytes=spare)
 
     if placement.stage == 0:
         gather, scatter, allreduce = 0, 0, 2 * num_params
@@ -263,8 +274,8 @@ def estimate_all(num_params: int, world_size: int, precision: str = "mixed") -> 
 
 
 def estimate_config(config, num_params: int, world_size: int) -> Estimate:
-    """The estimate for an :class:`infinity.Config`: its stage, offload tiers, dtypes and the optimizer's
-    stored formats (``optimizer.master`` / ``moments``).
+    """The estimate for an :class:`infinity.Config`: its stage, offload tiers, dtypes, the optimizer's
+    stored formats (``optimizer.master`` / ``moments``) and a speculative update's spares.
 
     ``precision.param_dtype`` fp32 is the fp32 case; bf16/fp16 the mixed case.
     """
@@ -278,7 +289,8 @@ def estimate_config(config, num_params: int, world_size: int) -> Estimate:
     prec = config.precision
     precision = "fp32" if prec.param_dtype == "fp32" else "mixed"
     state = state_bytes(precision, config.optimizer.master, config.optimizer.moments)
-    return estimate(num_params, world_size, placement, precision, prec.param_dtype, prec.reduce_dtype, state)
+    return estimate(num_params, world_size, placement, precision, prec.param_dtype, prec.reduce_dtype, state,
+                    spares=config.update_overlap() == "speculative")
 
 
 def _dtype_bytes(dtype: str, what: str) -> int:

@@ -95,3 +95,58 @@ def test_the_estimate_names_the_minimum_initialize_enforces(tmp_path, stage, dty
     least = estimated[Tier.HOST][0]
     with pytest.raises(ConfigError, match=rf"is below the {least} bytes"):
         infinity.initialize(_model(), _config(tmp_path / "refused", least - 1, "1GiB", stage, dtype, offload))
+
+
+SPECULATIVE = [
+    (3, "bf16", dict(params="nvme", grads="nvme", optimizer="nvme")),
+    (2, "bf16", dict(params="none", grads="nvme", optimizer="host")),
+]
+
+
+def _speculative(conf: dict) -> dict:
+    return {**conf, "optimizer": {"overlap_backward": True, "overlap_mode": "speculative"},
+            "schedule": {"clip_grad_norm": 1.0}}
+
+
+@pytest.mark.parametrize("stage,dtype,offload", SPECULATIVE)
+def test_a_speculative_update_trains_at_its_minimum_and_is_refused_below_it(tmp_path, stage, dtype, offload):
+    """overlap_mode speculative: host-homed states have a spare beside them, so the minimum is above the plain
+    update's by their bytes; NVMe-homed ones need no more host room (the copy a job reads is handed to the
+    spare's key), so it is the same. A committed and a redone speculative step run at exactly it, 4 KiB
+    less is refused."""
+    plain = _minimum(tmp_path / "plain", stage, dtype, offload)
+    probe = _speculative(_config(tmp_path / "probe", "1GiB", "1GiB", stage, dtype, offload))
+    _, estimated = bound_for_model(lambda: GPT(MODEL), Config.from_dict(probe), baseline_bytes=0)
+    model, _ = infinity.initialize(_model(), probe)
+    engine = infinity.engine_of(model)
+    try:
+        least, why = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
+                                                  engine.reduce_dtype.itemsize)[Tier.HOST]
+    finally:
+        engine.close()
+    if offload["optimizer"] == "host":   # the master and both moments, fp32, and their spares
+        states = sum(12 * u.shard_numel for u in engine.units)
+        assert least == plain[Tier.HOST] + states, (least, plain, states)
+    else:
+        assert least == plain[Tier.HOST], (least, plain)
+    assert estimated[Tier.HOST] == (least, why)   # infinity estimate names the same minimum
+    conf = _speculative(_config(tmp_path / "ok", least, plain[Tier.DEVICE], stage, dtype, offload))
+    model, opt = infinity.initialize(_model(), conf)
+    engine = infinity.engine_of(model)
+    engine.update.speculation.speculate = lambda: True
+    outcomes = []
+    try:
+        for step, clip in enumerate((1e9, 1e-3)):   # the first commits as speculated, the second is redone
+            ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(step))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.clip_grad_norm_(clip)
+            opt.step()
+            opt.zero_grad()
+            outcomes.append(engine.stats.last_step["offload"]["speculation"])
+    finally:
+        engine.close()
+    assert [(o["speculated"], o["committed"], o["redone"]) for o in outcomes] == [(True, True, False),
+                                                                                  (True, True, True)]
+    with pytest.raises(ConfigError, match=rf"tiers.host_bytes = .* is below the {least} bytes"):
+        infinity.initialize(_model(), _speculative(_config(tmp_path / "refused", least - 4096, plain[Tier.DEVICE],
+                                                           stage, dtype, offload)))

@@ -174,3 +174,17 @@ def test_stored_formats_shrink_the_optimizer_state():
     e = estimate_config(Config.from_dict({**cfg.to_dict(), "optimizer": {"master": "remainder", "moments": "int8"}}),
                         1024, 1)
     assert e.memory.nvme_bytes == 1024 * 6 + 32
+
+
+def test_a_speculative_update_adds_a_spare_of_the_parameter_shard_and_optimizer_states(tmp_path):
+    conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
+            "offload": {"optimizer": "nvme", "params": "nvme", "grads": "host"},
+            "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"overlap_backward": True}}
+    plain = estimate_config(Config.from_dict(conf), 8000, 4)
+    conf["optimizer"]["overlap_mode"] = "speculative"
+    spec = estimate_config(Config.from_dict(conf), 8000, 4)
+    # per rank: 2000 elements; spares of the bf16 parameter (2 B) and of master + moments (12 B), on NVMe
+    assert spec.memory.spare_bytes == 14 * 2000 and plain.memory.spare_bytes == 0
+    assert spec.memory.nvme_bytes == plain.memory.nvme_bytes + 14 * 2000
+    assert spec.memory.host_bytes == plain.memory.host_bytes   # gradients have no spare
+    assert spec.to_dict()["memory"]["spare_bytes"] == 14 * 2000
