@@ -1,14 +1,20 @@
 """The overlapped update with the recipe people run (clipping + accumulation) beside its baselines, in one run.
 
 Same workload as ``tools/bench_scale.py`` (HF GPT-2 of ``--size``, bf16, everything on NVMe, the
-same init and batches), four variants, each in a child process with a fresh swap directory:
+same init and batches), these variants, each in a child process with a fresh swap directory:
 
 - ``plain``: clip 1.0, ``--accum`` micro-batches, no overlap (the step after backward);
 - ``next_forward``: the same recipe with ``optimizer.overlap_backward`` (auto: the exact update runs
   during the next forward);
 - ``backward``: overlap without clipping (the update during the last backward), what the clipped
   overlapped step is held against;
-- ``plain_noclip``: no clipping, no overlap.
+- ``plain_noclip``: no clipping, no overlap;
+- ``speculative``: clip 1.0 with ``optimizer.overlap_mode: speculative`` and its adaptive fallback
+  (speculate in backward; after a redo, next_forward until unclipped steps return);
+- ``speculative_commit``: speculative with a clip that never fires (1e9): every step commits its
+  speculation, the committed step's cost against ``backward``;
+- ``speculative_redo``: speculative with a clip that always fires (1e-6), speculating on every step
+  (no fallback): every step pays the redo.
 
 Prints each variant's median step time (forward + backward + step; the launched update's wait lands
 in the next forward) beside ``plain``'s, the ratios, and whether the clipped variants' losses are
@@ -40,8 +46,11 @@ from infinity.config import parse_size  # noqa: E402
 
 import torch  # noqa: E402
 
-VARIANTS = {   # name: (overlap_backward, clip)
-    "plain": (False, 1.0), "next_forward": (True, 1.0), "backward": (True, None), "plain_noclip": (False, None),
+VARIANTS = {   # name: (overlap_backward, clip, overlap_mode, speculate on every step)
+    "plain": (False, 1.0, "auto", False), "next_forward": (True, 1.0, "auto", False),
+    "backward": (True, None, "auto", False), "plain_noclip": (False, None, "auto", False),
+    "speculative": (True, 1.0, "speculative", False), "speculative_commit": (True, 1e9, "speculative", False),
+    "speculative_redo": (True, 1e-6, "speculative", True),
 }
 
 
@@ -50,9 +59,10 @@ def child(a) -> dict:
 
     import infinity
     name, _, phase = a.variant.partition("@")
-    overlap, clip = VARIANTS[name]
+    overlap, clip, mode, always = VARIANTS[name]
     conf = bs.infinity_config(a)
     conf["optimizer"]["overlap_backward"] = overlap
+    conf["optimizer"]["overlap_mode"] = mode
     if phase:
         conf.setdefault("io", {})["phase_bytes"] = int(phase)
     conf["schedule"] = {"clip_grad_norm": clip, "accum_steps": a.accum}
@@ -61,6 +71,8 @@ def child(a) -> dict:
     torch.manual_seed(a.seed)
     model, opt = infinity.initialize(model, conf, init_fn=lambda m: bs.gpt2_init_(m, a.n_layer))
     engine = infinity.engine_of(model)
+    if always:   # no fallback: the redo's cost on every step
+        engine.update.speculation.speculate = lambda: True
     rows = []
     try:
         for step in range(a.warmup + a.steps):
@@ -83,7 +95,10 @@ def child(a) -> dict:
             t3 = time.perf_counter()
             off = engine.stats.last_step.get("offload", {})
             rows.append({"loss": loss_sum, "norm": norm, "step_s": t3 - t0, "forward_s": fwd, "backward_s": bwd,
-                         "optimizer_s": t3 - t, "overlap_mode": off.get("overlap_mode", "off")})
+                         "optimizer_s": t3 - t, "overlap_mode": off.get("overlap_mode", "off"),
+                         "speculation": off.get("speculation"), "spills": off.get("spills"),
+                         "disk_read_bytes": off.get("moved_bytes", {}).get("nvme->host", 0),
+                         "disk_write_bytes": off.get("moved_bytes", {}).get("host->nvme", 0)})
             print(f"[{a.variant}] step {step}{' (warm-up)' if step < a.warmup else ''} loss {loss_sum:.4f} "
                   f"norm {norm} {t3 - t0:.2f}s (fwd {fwd:.2f} bwd {bwd:.2f} step {t3 - t:.2f})", file=sys.stderr,
                   flush=True)
@@ -151,9 +166,19 @@ def main(argv=None) -> int:
         out["phased_over_mixed"] = phased
     if "next_forward" in med and "backward" in med:
         out["clipped_overlap_over_unclipped_overlap"] = med["next_forward"] / med["backward"]
-    if "plain" in results and "next_forward" in results:
-        out["clipped_losses_equal"] = [r["loss"] for r in results["plain"]["rows"]] == \
-            [r["loss"] for r in results["next_forward"]["rows"]]
+    if "speculative_commit" in med and "backward" in med:
+        out["committed_speculation_over_unclipped_overlap"] = med["speculative_commit"] / med["backward"]
+    if "speculative_redo" in med and "backward" in med:
+        out["redone_speculation_over_unclipped_overlap"] = med["speculative_redo"] / med["backward"]
+    if "plain" in results:   # the same recipe, clip 1.0: bitwise the plain step's losses
+        plain_losses = [r["loss"] for r in results["plain"]["rows"]]
+        out["clipped_losses_equal"] = {v: [r["loss"] for r in results[v]["rows"]] == plain_losses
+                                       for v in ("next_forward", "speculative") if v in results}
+    for v in ("speculative", "speculative_commit", "speculative_redo"):
+        if v in results:   # per measured step: speculated / redone, and the redo's seconds
+            out.setdefault("speculation", {})[v] = [
+                {k: (r["speculation"] or {}).get(k) for k in ("speculated", "redone", "redo_s")}
+                for r in results[v]["rows"][a.warmup:]]
     if a.json:
         print(json.dumps(out, indent=1))
     else:
@@ -161,7 +186,9 @@ def main(argv=None) -> int:
             ph = phases[v]
             print(f"{v:14s} {m:7.2f} s/step (fwd {ph['forward_s']:.2f} bwd {ph['backward_s']:.2f} step "
                   f"{ph['optimizer_s']:.2f})" + (f"  {out['over_plain'][v]:.2f}x plain" if "over_plain" in out else ""))
-        for k in ("clipped_overlap_over_unclipped_overlap", "clipped_losses_equal", "phased_over_mixed"):
+        for k in ("clipped_overlap_over_unclipped_overlap", "committed_speculation_over_unclipped_overlap",
+                  "redone_speculation_over_unclipped_overlap", "clipped_losses_equal", "phased_over_mixed",
+                  "speculation"):
             if k in out:
                 print(f"{k}: {out[k]}")
     return 0
