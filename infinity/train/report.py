@@ -133,6 +133,8 @@ def engine_metrics(engine, step_s: float) -> dict:
     ``previous_update``: with ``optimizer.overlap_mode`` next_forward, the update the previous step
     launched and this one waited for (its ``adam_s``, ``swap_in_wait_s``, ``swap_out_wait_s`` and
     ``update_wait_s``); a step whose own update is still running then has no ``adam_s``.
+    ``speculation``: with ``optimizer.overlap_mode`` speculative, whether the step speculated and how
+    that ended (``committed``, ``redone``, ``redo_s``, ``skipped``), and the fallback's ``calm_needed`` / ``calm``.
     """
     last = engine.stats.last_step
     out = {}
@@ -159,6 +161,8 @@ def engine_metrics(engine, step_s: float) -> dict:
             out[key] = offload[key]
     if "previous_update" in offload:
         out["previous_update"] = dict(offload["previous_update"])
+    if "speculation" in offload:
+        out["speculation"] = dict(offload["speculation"])
     if "moved_bytes" in offload:
         moved = out["moved_bytes"] = dict(offload["moved_bytes"])
         out["nvme_bytes"] = sum(v for k, v in moved.items() if "nvme" in k.split("->"))

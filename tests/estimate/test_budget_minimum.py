@@ -17,6 +17,7 @@ from infinity.config import Config, ConfigError
 from infinity.estimate.peak_rss import bound_for_model
 from infinity.models import GPT, GPTConfig
 from infinity.store import Tier
+from infinity.train.report import engine_metrics
 
 PLACEMENTS = [
     (3, "fp32", dict(params="nvme", grads="nvme", optimizer="nvme")),
@@ -143,6 +144,7 @@ def test_a_speculative_update_trains_at_its_minimum_and_is_refused_below_it(tmp_
             opt.step()
             opt.zero_grad()
             outcomes.append(engine.stats.last_step["offload"]["speculation"])
+            assert engine_metrics(engine, 1.0)["speculation"] == outcomes[-1]   # infinity train --metrics
     finally:
         engine.close()
     assert [(o["speculated"], o["committed"], o["redone"]) for o in outcomes] == [(True, True, False),
