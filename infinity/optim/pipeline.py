@@ -90,8 +90,9 @@ class ShardJob:
     ``sources`` (a speculative update, :mod:`infinity.zero.speculation`): ``{field: key or tensor}`` for
     written fields whose old value is read from elsewhere. The field (a spare key or tensor) is then
     filled with the source's bytes before Adam updates it in place, and the source is left as it was
-    (read, never written), so the update can be dropped or redone from it. A source key's host copy
-    is dropped unwritten once read when it is not homed there (``discard``: the old bytes stay home).
+    (read, never written), so the update can be dropped or redone from it. A source key homed beyond
+    the host tier hands its host copy over to the field's key (:meth:`TensorStore.hand_over`: no copy,
+    no more room; the source keeps its home bytes); a host-homed source is copied.
     """
 
     name: str

@@ -48,6 +48,9 @@ __all__ = ["ShardUpdate"]
 # shards swapped in ahead of the one being updated: each holds its states (16 B/element) in host
 # memory and hides one more shard's read latency behind compute
 _LOOKAHEAD = 2
+# the ShardJob fields Adam writes, and the class each is a chunk of
+_WRITTEN_FIELDS = {"master": TensorClass.MASTER, "exp_avg": TensorClass.EXP_AVG,
+                   "exp_avg_sq": TensorClass.EXP_AVG_SQ, "param_out": TensorClass.PARAM}
 
 
 class ShardUpdate:
@@ -322,28 +325,24 @@ class ShardUpdate:
             on_done = (lambda param, unit=unit: self.gather_updated(unit, param if chunks == [None] else
                                                                     unit.shard.get(TensorClass.PARAM))) \
                 if self.policy.gather_after_step and last and not spare else None
-            fields = {"master": s.job_field(TensorClass.MASTER, c), "exp_avg": s.job_field(TensorClass.EXP_AVG, c),
-                      "exp_avg_sq": s.job_field(TensorClass.EXP_AVG_SQ, c),
-                      "param_out": None if alias else s.job_field(TensorClass.PARAM, c)}
+            fields = {name: None if alias and cls is TensorClass.PARAM else s.job_field(cls, c)
+                      for name, cls in _WRITTEN_FIELDS.items()}
             sources: dict = {}
             if spare:   # written into the spares; Adam reads the old values of all but a new parameter
-                classes = {"master": TensorClass.MASTER, "exp_avg": TensorClass.EXP_AVG,
-                           "exp_avg_sq": TensorClass.EXP_AVG_SQ, "param_out": TensorClass.PARAM}
-                for name, current in fields.items():
-                    if current is None:
+                for name, cls in _WRITTEN_FIELDS.items():
+                    if fields[name] is None:
                         continue
                     if name != "param_out" or self.split_master:
-                        sources[name] = current
-                    fields[name] = s.spare_field(classes[name], c)
+                        sources[name] = fields[name]
+                    fields[name] = s.spare_field(cls, c)
             jobs.append(ShardJob(
                 unit.name if chunks == [None] else f"{unit.name}#{c}",
                 fields["master"], fields["exp_avg"], fields["exp_avg_sq"], s.job_field(TensorClass.GRAD, c),
                 fields["param_out"],
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
                 on_done, grad_scale=grad_scale,
-                # a speculative job keeps its gradient (a redo reads it) and drops its sources' cached copies
-                discard=tuple(v for v in sources.values() if isinstance(v, str)) if spare
-                else s.consumed_after_update(c),
+                # a speculative job keeps its gradient: a redo reads it
+                discard=() if spare else s.consumed_after_update(c),
                 drop=s.spare_drops(c) if spare else s.dropped_after_update(c), master_is_remainder=self.split_master,
                 moments_blocked=self.blocked_moments, unit_index=unit.index,
                 element_offset=self.shard_rank * unit.shard_numel + lo, sources=sources))

@@ -443,23 +443,6 @@ def test_a_launched_update_that_fails_is_reported_and_the_last_checkpoint_loses_
         assert torch.equal(got["params"][name], p), f"{fault}: {name}"
 
 
-def test_sigkill_inside_a_launched_update_then_resume_loses_nothing(tmp_path):
-    """A process SIGKILLed while the update its step() launched runs (one unit's Adam done): a new
-    process resumes from the last checkpoint and ends bitwise where a run without overlap ends."""
-    script = Path(__file__).resolve().parents[1] / "helpers" / "overlap_kill_script.py"
-
-    def run(mode: str) -> int:
-        return subprocess.run([sys.executable, str(script), mode, str(tmp_path)], timeout=300,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
-
-    assert run("kill") == -signal.SIGKILL
-    assert (tmp_path / "ckpt").exists() and not (tmp_path / "kill.pt").exists()
-    assert run("resume") == 0 and run("straight") == 0
-    resumed, straight = torch.load(tmp_path / "resume.pt"), torch.load(tmp_path / "straight.pt")
-    for name, p in straight.items():
-        assert torch.equal(resumed[name], p), name
-
-
 # ---------------------------------------------------------------- speculative: faults
 
 def speculative_faulted(spec: dict) -> dict:
@@ -548,13 +531,15 @@ def test_a_speculative_step_that_fails_keeps_the_last_committed_state(tmp_path, 
         assert torch.equal(got["params"][name], p), f"{fault}/{after}: {name}"
 
 
-def test_sigkill_inside_a_speculative_update_then_resume_loses_nothing(tmp_path):
-    """A process SIGKILLed inside a speculative update (during backward, spares half written): a new
-    process resumes from the last checkpoint and ends bitwise where a run without overlap ends."""
+@pytest.mark.parametrize("mode", ["auto", "speculative"])
+def test_sigkill_inside_an_overlapped_update_then_resume_loses_nothing(tmp_path, mode):
+    """A process SIGKILLed inside an overlapped update (auto: the update its step() launched, one unit's
+    Adam done; speculative: during backward, spares half written): a new process resumes from the last
+    checkpoint and ends bitwise where a run without overlap ends."""
     script = Path(__file__).resolve().parents[1] / "helpers" / "overlap_kill_script.py"
 
-    def run(mode: str) -> int:
-        return subprocess.run([sys.executable, str(script), mode, str(tmp_path), "speculative"], timeout=300,
+    def run(what: str) -> int:
+        return subprocess.run([sys.executable, str(script), what, str(tmp_path), mode], timeout=300,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))).returncode
 
     assert run("kill") == -signal.SIGKILL
