@@ -81,6 +81,9 @@ class ShardJob:
     (a consumed gradient: writing it home would be wasted I/O).
     ``drop`` names written store keys whose host copy is dropped once it is home (evicted, not
     cached): states streamed through a host budget too small to keep them until their next use.
+    ``write_home`` names keys the update reads and does not change whose host copy is written home
+    (if it is the newest) and dropped once the update is done: a gradient a speculative update keeps
+    for a redo, where the host budget cannot hold it until the step is decided.
     ``master_is_remainder``: ``master`` is a split master's int16 remainder (``optimizer.master:
     remainder``), so ``param_out`` is read as well as written: the fp32 master is the two joined.
     ``moments_blocked``: ``exp_avg`` / ``exp_avg_sq`` are int8 rows of blocks (``optimizer.moments: int8``,
@@ -106,6 +109,7 @@ class ShardJob:
     grad_scale: float = 1.0
     discard: tuple = ()
     drop: tuple = ()
+    write_home: tuple = ()
     master_is_remainder: bool = False
     moments_blocked: bool = False
     unit_index: int = 0
@@ -680,6 +684,12 @@ class AdamPipeline:
         for key in job.discard:
             if key in job._keys and self.store.home(key) is not Tier.HOST:
                 self.store.discard(key, Tier.HOST)
+        for key in job.write_home:
+            if key in job._keys and self.store.home(key) is not Tier.HOST:
+                try:   # written home first if it is the newest copy, then freed
+                    futures.append(self.store.evict(key, Tier.HOST))
+                except StoreError:   # pinned by another user: left to the cache (spilled if room runs short)
+                    pass
         return futures
 
 

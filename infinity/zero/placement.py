@@ -304,6 +304,44 @@ class Placement:
                         streamed += itemsize * (hi - lo)
         return streamed > host_bytes - held
 
+    def resident_bytes(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int, plan: dict) -> int:
+        """Host bytes the chunks of ``plan`` (:meth:`host_resident_plan`) hold for good, spares included."""
+        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        total = 0
+        for u in units:
+            kept = plan.get(u.index, frozenset())
+            if kept:
+                bounds = chunk_bounds(u.shard_numel, chunk)
+                total += sum(int(sizes.get(cls, 0) * self.copies(cls) * (bounds[c][1] - bounds[c][0]))
+                             for cls, c in kept)
+        return total
+
+    def writes_kept_grads(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
+                          plan: dict, host_bytes: int) -> bool:
+        """With spares (``overlap_mode`` speculative) and NVMe-homed gradients deferred: whether a gradient a
+        speculative update keeps for a possible redo is written home and its host copy freed as soon as
+        that update is done, instead of held in host memory until ``step()`` decides.
+
+        Held, every unit's gradient shard is in host memory at once by the end of backward, crowding out
+        the parameter copies the cache keeps for the next forward (the store evicts clean copies before it
+        writes dirty ones). Where they outweigh the host budget less what is held there for good (host
+        homes, resident chunks) and one optimizer job's chunk, they cannot all be held even with nothing
+        else cached, so they are spilled anyway, after pushing out those parameters: at GPT-2 2.7B with
+        3 GiB of host that cost 7.1 GB more reads and 4.4 GB more writes a step. Written at once they cost
+        one write of each gradient (read back only by a redo), and the cache stays the parameters'. Where
+        they fit, they stay in memory unwritten: at GPT-2 small with 1 GiB, holding them cost 0.16 GB of
+        re-read parameters a step and writing them would cost 0.5 GB."""
+        if not (self.spares and self.defer_grad_writes and self.grads is Tier.NVME):
+            return False
+        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        if TensorClass.GRAD not in sizes:
+            return False
+        homed, _, _, _, chunk_job = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
+        held = homed + self.resident_bytes(units, stage, param_itemsize, reduce_itemsize, plan)
+        kept = sum(int(sizes[TensorClass.GRAD] * u.shard_numel) for u in units)
+        return kept > host_bytes - held - chunk_job
+
     def describe(self) -> dict:
         return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}
 

@@ -9,7 +9,10 @@ is where the updated state goes: each job writes its master, moments and
 parameter into *spare* copies (a second store key per chunk, same home; a
 spare tensor for a class kept in memory, see
 :meth:`~infinity.zero.store_shard.StoreUnitShard.add_spares`) and reads the
-current ones without changing them. Gradients are kept until the step ends.
+current ones without changing them. Gradients are kept until the step ends: in
+host memory, or, where the host budget cannot hold them all beside what the next
+forward reads, written home as each update is done and read back only by a redo
+(:meth:`~infinity.zero.placement.Placement.writes_kept_grads`).
 ``optimizer.step()`` then compares the step's final multiplier (after
 ``clip_grad_norm_`` and fp16's unscale) with the one the speculation used:
 

@@ -89,13 +89,15 @@ class StoreUnitShard(UnitShard):
 
     def __init__(self, store: TensorStore, unit_index: int, placement: Placement, lent: LentCopies,
                  bounds: list | None = None, resident: frozenset = frozenset(), stream_states: bool = False,
-                 staging: FoldStaging | None = None):
+                 staging: FoldStaging | None = None, write_kept_grads: bool = False):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
         self.staging = staging if staging is not None else FoldStaging(store)   # accumulation folds' buffers
         self._pending_fold = None   # the last fold_grad's pending write (its copies may be in flight)
         self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
+        # a speculative update's kept gradient is written home at once (Placement.writes_kept_grads)
+        self.write_kept_grads = write_kept_grads
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
         # a speculative update's spare copies (infinity.zero.speculation), swapped in on commit: TensorClass ->
@@ -408,6 +410,11 @@ class StoreUnitShard(UnitShard):
             return ()
         return (keys[chunk],)
 
+    def kept_for_redo(self, chunk: int = 0) -> tuple:
+        """The NVMe-homed gradient chunk a speculative update keeps for a possible redo, when it is to be
+        written home and its host copy freed once the update is done (``write_kept_grads``); else ()."""
+        return self.consumed_after_update(chunk) if self.write_kept_grads else ()
+
     def _streamed(self, cls: TensorClass, chunk: int) -> bool:
         """With ``stream_states``: whether the chunk of ``cls`` is an NVMe-homed optimizer state, whose host
         copy is not kept (its next use is a step away, past what the host budget can cache). A master
@@ -527,7 +534,8 @@ def store_shards(store: TensorStore, placement: Placement, stage: int, param_ite
                  units: list, budgets: dict):
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
     the resident chunks :meth:`Placement.host_resident_plan` picks within the host budget (``budgets``:
-    bytes per tier), streaming the optimizer states when :meth:`Placement.streams_optimizer` says so;
+    bytes per tier), streaming the optimizer states when :meth:`Placement.streams_optimizer` says so and
+    writing a speculation's kept gradients home when :meth:`Placement.writes_kept_grads` does;
     every shard made by one factory shares one :class:`LentCopies` and one
     :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's)."""
     lent, staging = LentCopies(store), FoldStaging(store)
@@ -535,8 +543,9 @@ def store_shards(store: TensorStore, placement: Placement, stage: int, param_ite
     room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
     plan = placement.host_resident_plan(units, stage, param_itemsize, reduce_itemsize, room)
     stream = placement.streams_optimizer(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
+    write_kept = placement.writes_kept_grads(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
     return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
-                                       plan.get(unit.index, frozenset()), stream, staging)
+                                       plan.get(unit.index, frozenset()), stream, staging, write_kept)
 
 
 def _all_of(futures: list) -> cf.Future:

@@ -341,8 +341,9 @@ class ShardUpdate:
                 fields["param_out"],
                 [(g, max(a, lo) - lo, min(b, hi) - lo) for g, a, b in ranges if max(a, lo) < min(b, hi)],
                 on_done, grad_scale=grad_scale,
-                # a speculative job keeps its gradient: a redo reads it
-                discard=() if spare else s.consumed_after_update(c),
+                # a speculative job keeps its gradient: a redo reads it (from the disk, where the host
+                # cannot hold every kept gradient beside the parameters the next forward reads)
+                discard=() if spare else s.consumed_after_update(c), write_home=s.kept_for_redo(c) if spare else (),
                 drop=s.spare_drops(c) if spare else s.dropped_after_update(c), master_is_remainder=self.split_master,
                 moments_blocked=self.blocked_moments, unit_index=unit.index,
                 element_offset=self.shard_rank * unit.shard_numel + lo, sources=sources))

@@ -40,6 +40,7 @@ PLACEMENTS = {
     "s3-nvme": dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host"), **SMALL),
     "s2-host": dict(stage=2, offload=dict(optimizer="host", params="none", grads="none"), **SMALL),
     "s2-nvme": dict(stage=2, offload=dict(optimizer="nvme", params="none", grads="none"), **SMALL),
+    "s3-all-nvme": dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="nvme"), **SMALL),
 }
 BASE = dict(model="gpt", steps=4, batch=8, lr=1e-2, groups=True, scheduler=True, accum=1)
 # the plain run's norms (GPT test model, lr 1e-2) are about 1.4, 3.1, 2.3, 1.3: 2.0 clips steps 1-2 and
@@ -96,7 +97,8 @@ def recipe(spec: dict) -> dict:
     finally:
         engine.close()
     return {"losses": losses, "norms": norms, "params": params, "stats": stats, "units": len(engine.units),
-            "group_steps": list(opt.group_steps), "skipped": opt.skipped_steps}
+            "group_steps": list(opt.group_steps), "skipped": opt.skipped_steps,
+            "writes_kept_grads": any(getattr(u.shard, "write_kept_grads", False) for u in engine.units)}
 
 
 def many(specs: list) -> list:
@@ -182,6 +184,11 @@ SPECULATIVE = [
          accum_steps=2, host_bytes=1 << 20),
     dict(name="s3-bf16-remainder-int8-clip", placement="s3-nvme", dtype="bf16", master="remainder", moments="int8",
          clip=CLIP, host_bytes=SPEC_HOST, always_speculate=True),
+    # gradients on NVMe, more of them than the host holds: written home as each update is done, read back
+    # by the redo (Placement.writes_kept_grads)
+    # (a rank's shards halve at world size 2, so its host budget does too)
+    dict(name="s3-all-nvme-clip-always", placement="s3-all-nvme", clip=CLIP,
+         host_bytes={1: 224 * 1024, 2: 144 * 1024}, always_speculate=True, writes_kept_grads=True),
 ]
 
 
@@ -190,14 +197,17 @@ def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds
     """overlap_mode speculative: each speculating step updates during its last backward (units submitted in
     it), and step() commits it when the multiplier is unclipped (nothing redone), redoes it when clipped,
     drops it on an fp16 overflow; the policy falls back to next_forward after a redo. Every result bitwise
-    the plain step's."""
-    cases = [dict(c, mode="speculative") for c in SPECULATIVE]
+    the plain step's, with the kept gradients held in host memory or, where they outweigh it (all on NVMe),
+    written home as each update is done and read back by the redo."""
+    cases = [dict(c, mode="speculative", host_bytes=c["host_bytes"][world_size]
+                  if isinstance(c["host_bytes"], dict) else c["host_bytes"]) for c in SPECULATIVE]
     per_rank = worlds(world_size).run(many, _pairs(tmp_path, cases))
     results = per_rank[0]
     for case, off, on in zip(cases, results[0::2], results[1::2]):
         what = f"{case['name']}, world {world_size}"
         _assert_same(off, on, what)
         assert on["losses"][0] != on["losses"][-1], f"{what}: training did not move"
+        assert on["writes_kept_grads"] == case.get("writes_kept_grads", False), what
         outcomes = [s["speculation"] for s in on["stats"]]
         assert all(s["overlap_mode"] == "speculative" for s in on["stats"]), what
         if case.get("dtype") == "fp16":

@@ -68,3 +68,34 @@ def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
         host, _ = pl.min_budgets(units, 3, 2, 4)[Tier.HOST]
         # host-homed gradients + one job of the NVMe-homed classes, one chunk each
         assert host == 4 * 4096 * 100 + (per_element - 4) * chunk and isinstance(host, int)
+
+
+def test_a_speculations_kept_gradients_are_written_home_only_where_the_host_cannot_hold_them():
+    """overlap_mode speculative with NVMe-homed gradients: the gradients a speculation keeps for a redo are
+    written home at once exactly when all of them outweigh the host budget less its homes, its resident
+    chunks and one optimizer job's chunk; never without spares (overlap_mode backward or next_forward) or
+    with gradients homed in host memory."""
+    from types import SimpleNamespace
+
+    def placement(mode="speculative", grads="nvme", overlap=True):
+        return Placement.from_config(Config.from_dict({
+            "zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
+            "optimizer": {"overlap_backward": overlap, "overlap_mode": mode},
+            "offload": {"optimizer": "nvme", "params": "nvme", "grads": grads, "chunk_bytes": 4096 * 64},
+            "tiers": {"nvme_path": "/tmp/unused"}}))
+
+    units = [SimpleNamespace(index=i, name=f"u{i}", shard_numel=4096 * 40, is_root=i == 0) for i in range(3)]
+    pl = placement()
+    kept = 3 * 4096 * 40 * 4                                # fp32 gradients of the three shards
+    chunk_job = pl._host_working_set(units, 3, 2, 4)[4]    # one job's chunk of every stored class
+    edge = kept + chunk_job                                 # the host budget at which they just fit
+    assert pl.writes_kept_grads(units, 3, 2, 4, {}, edge - 1)
+    assert not pl.writes_kept_grads(units, 3, 2, 4, {}, edge)
+    # a resident chunk takes host room: the same budget no longer holds them (two copies with spares)
+    plan = {0: frozenset({(TensorClass.PARAM, 0)})}
+    resident = pl.resident_bytes(units, 3, 2, 4, plan)
+    assert resident == 2 * 2 * min(4096 * 40, pl.chunk_numel(3, 2, 4))
+    assert pl.writes_kept_grads(units, 3, 2, 4, plan, edge)
+    assert not pl.writes_kept_grads(units, 3, 2, 4, plan, edge + resident)
+    for other in (placement(mode="backward"), placement(grads="host"), placement(mode="next_forward")):
+        assert not other.writes_kept_grads(units, 3, 2, 4, {}, 1), other
