@@ -21,9 +21,10 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 - the optimizer step: a pipeline of swap-in, CPU Adam, write-back: the slower of the disk and Adam,
   plus the first chunk's read and the last one's write, at the CPU Adam rate the profile measured for
   the config's stored formats. With ``optimizer.overlap_backward`` it runs during backward
-  (``overlap_mode`` backward) or during the next forward (next_forward: clipping, fp16), and what it
-  cannot hide shows in that phase's step or forward; on a CPU compute device Adam and the compute share
-  the cores, so only the disk hides.
+  (``overlap_mode`` backward; speculative is priced as the step that commits, its kept gradients
+  written in backward where the host cannot hold them) or during the next forward (next_forward:
+  clipping, fp16), and what it cannot hide shows in that phase's step or forward; on a CPU compute
+  device Adam and the compute share the cores, so only the disk hides.
 - communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
   its per-unit size, exposed in full (gloo runs on the cores the compute uses).
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
@@ -148,10 +149,13 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
         moved["host->device"] = shard_param + miss
         if shard_param > root_shard:
             again = int(miss * (params - root_param) / (shard_param - root_shard))
+    # a speculative update keeps its gradients for a redo: written home in backward as each update is done
+    # where the host cannot hold them all (Placement.writes_kept_grads), else held (nothing moves)
+    kept_written = deferred and placement.writes_kept_grads(units, stage, p_size, r_size, plan, host_bytes)
     read = {"forward": params - root_param,                      # every unit once; the root stays gathered
             "backward": again,
             "step": states + (0 if deferred else grads)}
-    write = {"forward": 0, "backward": 0 if deferred else grads, "step": states + params}
+    write = {"forward": 0, "backward": grads if kept_written or not deferred else 0, "step": states + params}
     moved.update({"nvme->host": sum(read.values()), "host->nvme": sum(write.values())})
     if placement.grads is not None and stage >= 2:
         moved["device->host"] = sum(u.shard_numel for u in units) * r_size
@@ -239,12 +243,17 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     step["comm_s"] = comm["step"]
     overlap = config.update_overlap() if placement.optimizer is not None else "off"
     if overlap != "off":
-        # backward: the pipeline starts as each unit's gradient is final, and hides behind backward;
-        # next_forward: step() launches it and the next forward waits per unit, so it hides behind
-        # forward (a third of the compute, not two) and what is left shows in forward. On a CPU device
-        # Adam takes the cores that phase computes on (it shows as its compute), and only the disk hides.
-        host = phases["backward" if overlap == "backward" else "forward"]
-        waits = step if overlap == "backward" else host
+        # backward (and a speculation that commits): the pipeline starts as each unit's gradient is final,
+        # and hides behind backward; next_forward: step() launches it and the next forward waits per unit,
+        # so it hides behind forward (a third of the compute, not two) and what is left shows in forward.
+        # On a CPU device Adam takes the cores that phase computes on (it shows as its compute), and only
+        # the disk hides.
+        in_backward = overlap in ("backward", "speculative")
+        if overlap == "speculative":
+            notes.append("speculative: the step that commits; one that clips (or overflows) redoes its update "
+                         "after backward, unhidden, and the next steps run as next_forward until norms calm")
+        host = phases["backward" if in_backward else "forward"]
+        waits = step if in_backward else host
         busy = host["compute_s"]
         if device_is_host:
             host["compute_s"] += adam
@@ -294,20 +303,10 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
     if not placement.any_offload:
         return bound
     homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
-    resident = sum(_plan_bytes(traffic["plan"], placement, units, stage, p_size, r_size))
+    resident = placement.resident_bytes(units, stage, p_size, r_size, traffic["plan"])
     host = min(budgets[Tier.HOST], homed + resident + RESIDENT_RESERVE_JOBS * chunk_job)
     device = bound.device_tier_bytes
     if not (StagePolicy.of(stage).shard_params and placement.params is not None) or not device_is_host:
         device = 0
     return replace(bound, host_tier_bytes=host, device_tier_bytes=device)
 
-
-def _plan_bytes(plan: dict, placement, units, stage, p_size, r_size):
-    """Bytes of each unit's chunks kept in host memory for good (``plan``: host_resident_plan's answer)."""
-    sizes = placement.stored_itemsizes(stage, p_size, r_size)
-    chunk = placement.chunk_numel(stage, p_size, r_size)
-    for u in units:
-        kept = plan.get(u.index, frozenset())
-        if kept:
-            bounds = chunk_bounds(u.shard_numel, chunk)
-            yield sum(sizes.get(cls, 0) * (bounds[c][1] - bounds[c][0]) for cls, c in kept)

@@ -259,3 +259,35 @@ def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_momen
     int8 = make_plan(PlanRequest(**{**req.__dict__, "fixed": {"optimizer.moments": "int8"}}),
                      rates(read_gbps=0.05, write_gbps=0.05, adam_formats=fast), compute(2))
     assert int8.chosen.config.optimizer.moments == "int8"
+
+
+def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
+    """overlap_mode speculative with clipping: predicted as the unclipped update during backward (what a
+    step that commits does), with a note on the redo; its kept gradients add one write of every gradient in
+    backward exactly where Placement.writes_kept_grads sends them home, and nothing where the host holds them."""
+    from infinity.plan.cost import tier_traffic
+    from infinity.plan.planner import model_layout
+    from infinity.store import Tier
+    from infinity.zero.placement import Placement
+    from infinity.zero.units import TensorClass
+    unclipped = _bf16_nvme(tmp_path, overlap_backward=True)
+    spec = _bf16_nvme(tmp_path, overlap_backward=True, overlap_mode="speculative").replace(
+        schedule={"clip_grad_norm": 1.0})
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    placement = Placement.from_config(spec)
+    grads = sum(u.shard_numel for u in layout.units) * 2
+    least = placement.min_budgets(layout.units, 3, 2, 2)[Tier.HOST][0]
+    for host in (least, 4 * spec.tiers.host_bytes):
+        s_cfg, u_cfg = spec.replace(tiers={"host_bytes": host}), unclipped.replace(tiers={"host_bytes": host})
+        a, b = tier_traffic(layout, s_cfg, host), tier_traffic(layout, u_cfg, host)
+        written = placement.writes_kept_grads(layout.units, 3, 2, 2, a["plan"], host)
+        assert written == (host == least), host   # the host minimum cannot hold them all
+        # (the step's reads and writes differ where spares halve what the resident chunks hold)
+        assert a["read"]["backward"] == b["read"]["backward"]
+        assert a["write"]["backward"] == b["write"]["backward"] + (grads if written else 0)
+        assert TensorClass.GRAD in placement.stored_itemsizes(3, 2, 2)
+    s_pred, u_pred = _predict(tmp_path, spec, rates()), _predict(tmp_path, unclipped, rates())
+    assert s_pred.phases["step"]["adam_s"] == u_pred.phases["step"]["adam_s"] == 0
+    assert s_pred.phases["backward"]["compute_s"] == pytest.approx(u_pred.phases["backward"]["compute_s"])
+    assert s_pred.phases["forward"]["compute_s"] == pytest.approx(u_pred.phases["forward"]["compute_s"])
+    assert any(n.startswith("speculative: the step that commits") for n in s_pred.notes)
