@@ -275,6 +275,7 @@ def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
         schedule={"clip_grad_norm": 1.0})
     layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
     placement = Placement.from_config(spec)
+    assert TensorClass.GRAD in placement.stored_itemsizes(3, 2, 2)   # bf16 gradients on NVMe
     grads = sum(u.shard_numel for u in layout.units) * 2
     least = placement.min_budgets(layout.units, 3, 2, 2)[Tier.HOST][0]
     for host in (least, 4 * spec.tiers.host_bytes):
@@ -285,7 +286,6 @@ def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
         # (the step's reads and writes differ where spares halve what the resident chunks hold)
         assert a["read"]["backward"] == b["read"]["backward"]
         assert a["write"]["backward"] == b["write"]["backward"] + (grads if written else 0)
-        assert TensorClass.GRAD in placement.stored_itemsizes(3, 2, 2)
     s_pred, u_pred = _predict(tmp_path, spec, rates()), _predict(tmp_path, unclipped, rates())
     assert s_pred.phases["step"]["adam_s"] == u_pred.phases["step"]["adam_s"] == 0
     assert s_pred.phases["backward"]["compute_s"] == pytest.approx(u_pred.phases["backward"]["compute_s"])
