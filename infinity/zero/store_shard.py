@@ -98,6 +98,8 @@ class StoreUnitShard(UnitShard):
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         # a speculative update's kept gradient is written home at once (Placement.writes_kept_grads)
         self.write_kept_grads = write_kept_grads
+        # folded gradients wait unwritten for this step's update (set per step: set_step_speculates)
+        self.defers_grad_writes = placement.defer_grad_writes
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
         # a speculative update's spare copies (infinity.zero.speculation), swapped in on commit: TensorClass ->
@@ -353,7 +355,7 @@ class StoreUnitShard(UnitShard):
         """The chunk's host copy claimed from ``part`` (its stale bytes never read) and, unless deferred,
         written home by the same store operation as soon as it has landed (so it never sits dirty,
         holding host room no eviction can take, until someone waits for it)."""
-        write_home = not self.placement.defer_grad_writes
+        write_home = not self.defers_grad_writes
         return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home),
                                   room=room)
 
@@ -371,7 +373,7 @@ class StoreUnitShard(UnitShard):
             if inspect is not None:   # the sum itself may overflow, and the clip norm sums it: while it is here
                 inspect(g, self.bounds[chunk][0] if self.chunked else 0)
             self.store.mark_dirty(key, Tier.HOST)
-            if not self.placement.defer_grad_writes:
+            if not self.defers_grad_writes:
                 self.store.write_back(key)   # in the background; a later bring waits for it
 
         def unpin() -> None:
@@ -409,6 +411,14 @@ class StoreUnitShard(UnitShard):
         if keys is None or self.placement.home(TensorClass.GRAD) is not Tier.NVME:
             return ()
         return (keys[chunk],)
+
+    def set_step_speculates(self, speculating: bool) -> None:
+        """Told at a speculative mode's first backward of each step. A step that does not speculate
+        updates during the next forward, as next_forward does; where a speculation's kept gradients are
+        written home anyway (``write_kept_grads``: all of them outweigh the host room), this step's are
+        then written at the fold too, as next_forward writes them: held unwritten until the next forward
+        they would push out the parameters it reads, and be spilled all the same."""
+        self.defers_grad_writes = self.placement.defer_grad_writes and (speculating or not self.write_kept_grads)
 
     def kept_for_redo(self, chunk: int = 0) -> tuple:
         """The NVMe-homed gradient chunk a speculative update keeps for a possible redo, when it is to be

@@ -273,6 +273,10 @@ class UnitShard:
         """Store keys of chunk ``chunk`` whose host copy is freed once written home (none here)."""
         return ()
 
+    def set_step_speculates(self, speculating: bool) -> None:
+        """Whether this step's last backward updates speculatively (a store-backed shard may then fold
+        its gradients differently); nothing here."""
+
     def write_back_lent(self) -> None:
         """Finish what earlier ``get`` calls lent out (a store-backed shard writes it home)."""
 

@@ -430,6 +430,8 @@ class ShardUpdate:
             self.overlap.check_new_backward()
             if self.speculation is not None and self.overlap.first_backward():
                 self.overlap.speculating = self.speculation.speculate()
+                for unit in self.units:
+                    unit.shard.set_step_speculates(self.overlap.speculating)
             self.overlap.begin_backward(sync)
 
     def new_step(self) -> None:

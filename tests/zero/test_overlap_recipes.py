@@ -189,6 +189,9 @@ SPECULATIVE = [
     # (a rank's shards halve at world size 2, so its host budget does too)
     dict(name="s3-all-nvme-clip-always", placement="s3-all-nvme", clip=CLIP,
          host_bytes={1: 224 * 1024, 2: 144 * 1024}, always_speculate=True, writes_kept_grads=True),
+    # the same with the policy: its fallback steps write their gradients at the fold, as next_forward does
+    dict(name="s3-all-nvme-clip", placement="s3-all-nvme", clip=CLIP,
+         host_bytes={1: 224 * 1024, 2: 144 * 1024}, writes_kept_grads=True),
 ]
 
 
@@ -198,7 +201,8 @@ def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds
     it), and step() commits it when the multiplier is unclipped (nothing redone), redoes it when clipped,
     drops it on an fp16 overflow; the policy falls back to next_forward after a redo. Every result bitwise
     the plain step's, with the kept gradients held in host memory or, where they outweigh it (all on NVMe),
-    written home as each update is done and read back by the redo."""
+    written home as each update is done and read back by the redo (and on a fallback step, written at the
+    fold as next_forward writes them)."""
     cases = [dict(c, mode="speculative", host_bytes=c["host_bytes"][world_size]
                   if isinstance(c["host_bytes"], dict) else c["host_bytes"]) for c in SPECULATIVE]
     per_rank = worlds(world_size).run(many, _pairs(tmp_path, cases))
@@ -233,6 +237,8 @@ def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds
             else:   # the fallback: next_forward, launched by step() unless skipped
                 assert st["submitted_in_backward"] == 0, (what, step, st)
                 assert bool(st.get("update_deferred")) == (not overflow[step]), (what, step, st)
+                if case.get("writes_kept_grads"):   # gradients written at the fold: none held, so none spilled
+                    assert st["spills"] == 0, (what, step, st)
         if not case.get("always_speculate"):
             assert not all(expected) and any(expected), f"{what}: speculation and its fallback both ran"
         else:
