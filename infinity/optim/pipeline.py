@@ -575,15 +575,21 @@ class AdamPipeline:
             try:
                 return attempt()
             except BudgetError as e:
+                t0 = waited = None
                 with self._progress:
                     waiting = can_wait()
                     # after an error or abort the compute thread releases nothing more
                     while waiting and self._released == released and not self._stop.is_set():
+                        t0 = t0 or time.perf_counter()
                         self._progress.wait()
+                    if t0 is not None:
+                        waited = time.perf_counter() - t0
                     if stopped():   # a stopped step's leftovers: not retried
                         if self._error is not None:   # the pipeline failed: its cause, not the room it held
                             raise self._error from e
                         raise
+                if waited is not None and self.store is not None:   # a wait for the store's room: booked as one
+                    self.store.book_wait(waited)
                 if waiting or (yielded is not None and yielded(e.tier)):
                     continue
                 spilled = self.store.spill(e.tier, e.requested_bytes) if self.store is not None else []

@@ -358,8 +358,8 @@ class TensorStore(TransferRunner):
 
     def wait_for_pins(self, tier: Tier | str, owners: Callable[[object], bool],
                       stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> bool:
-        """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks; False at once
-        (nothing waited for) when none is. For a caller refused room (BudgetError) held by pins of owners
+        """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks (the time counted
+        in ``stats()["wait_s"]``); False at once (nothing waited for) when none is. For a caller refused room (BudgetError) held by pins of owners
         that drop them without waiting for that caller, e.g. an optimizer's swap-in beside gradient folds
         that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
         tier = Tier.parse(tier)
@@ -370,8 +370,10 @@ class TensorStore(TransferRunner):
         with self._cond:
             if not held():
                 return False
+            t0 = time.perf_counter()
             while held() and not stopped() and not self._closed:
                 self._cond.wait(poll_s)
+            self._add_wait(time.perf_counter() - t0)
         return True
 
     @contextlib.contextmanager
@@ -433,6 +435,13 @@ class TensorStore(TransferRunner):
         """Book ``seconds`` blocked on this thread (called under ``_cond``)."""
         self._wait_s += seconds
         self._thread_waits.s = getattr(self._thread_waits, "s", 0.0) + seconds
+
+    def book_wait(self, seconds: float) -> None:
+        """Count ``seconds`` the calling thread spent blocked outside a store call for the store's room
+        (waiting for another thread to release host room it holds) as a wait on the store, as
+        :meth:`wait_for_pins` counts its own."""
+        with self._cond:
+            self._add_wait(seconds)
 
     def thread_wait_s(self) -> float:
         """Seconds the calling thread has spent blocked in the store since it was built (all threads'

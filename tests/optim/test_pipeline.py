@@ -309,9 +309,10 @@ def test_wait_for_pins_returns_once_the_picked_owners_unpin(tmp_path):
         thread, unpinned = _fold_pinned_beside(store, 0.2)
         store.wait(store.bring("x.grad", Tier.HOST, pin=True, owner="other"))
         assert store.wait_for_pins(Tier.HOST, lambda o: o == "nobody") is False
-        t0 = time.perf_counter()
+        t0, booked = time.perf_counter(), store.thread_wait_s()
         assert store.wait_for_pins(Tier.HOST, lambda o: o[0] == "fold") is True
         assert "at" in unpinned and time.perf_counter() - t0 >= 0.15
+        assert store.thread_wait_s() - booked >= 0.15   # counted as this thread's wait on the store
         # "other" still holds its pin; a stopped wait returns without it going
         assert store.wait_for_pins(Tier.HOST, lambda o: o == "other", stopped=lambda: True) is True
         thread.join()

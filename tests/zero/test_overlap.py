@@ -322,7 +322,8 @@ HYPER = dict(step=1, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 def test_caller_waits_for_host_room_the_running_update_holds(tmp_path):
     """A store operation beside a running step that finds host room pinned by the update waits for
-    the update to release it (instead of failing), and succeeds; without a running step it fails."""
+    the update to release it (instead of failing), and succeeds, the wait booked as the caller's wait
+    on the store (the step attributes it as I/O waited on); without a running step it fails."""
     from infinity.optim.cpu_adam import CpuAdamW
     from infinity.optim.pipeline import AdamPipeline
     from infinity.store import BudgetError, Tier
@@ -340,16 +341,19 @@ def test_caller_waits_for_host_room_the_running_update_holds(tmp_path):
         tries.append(1)
         try:
             return store.bring("extra", Tier.HOST, pin=True)
-        finally:
-            gate.set()   # released only after a first attempt has run into the pinned room
+        finally:   # released only after a first attempt has run into the pinned room, 0.2 s later
+            if len(tries) == 1:
+                threading.Timer(0.2, gate.set).start()
 
     with store:
         pipe.start(hyper)
         pipe.submit(jobs[0])
         assert reached.wait(30)
+        before = store.thread_wait_s()
         store.wait(pipe.wait_for_room(attempt))
         stats = pipe.finish()
         assert len(tries) >= 2, "the first attempt should have found the room pinned"
+        assert store.thread_wait_s() - before >= 0.15, "the wait for room was not booked as a wait on the store"
         assert stats["shards"] == 1 and len(stats["update_start_s"]) == 1
         store.unpin("extra", Tier.HOST)
         store.wait(store.evict("extra", Tier.HOST))
