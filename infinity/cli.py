@@ -303,6 +303,10 @@ def _print_profile(profile: dict, paths: dict) -> None:
     mixed = nv.get("mixed")
     if mixed:
         print(f"  at once (best row): write {mixed['write_gbps']:6.3f}  read {mixed['read_gbps']:6.3f}")
+    con = profile.get("contention")
+    if con:
+        print(f"contention   compute beside the disk {con['slowdown']:.2f}x slower ({con['compute_alone_s']:.3f} -> "
+              f"{con['compute_beside_io_s']:.3f} s); the I/O's CPU {con['io_cpu_s_per_gb']:.3f} s per GB")
     print(f"best io      {json.dumps(profile['io'])}")
     if profile.get("settings", {}).get("lower_bound"):
         print(f"LOWER BOUND  {profile['settings']['note']}")

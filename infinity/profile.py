@@ -22,6 +22,12 @@ Sections of the profile (GB/s = 1e9 bytes per second throughout):
 - ``nvme.mixed``: the engine at the best row's settings reading one set of tensors while it
   writes another, both at once (what the optimizer step's pipeline does): each direction's GB/s
   while sharing the disk. The planner's "read and write at once" rates.
+- ``contention``: how much compute on the CPU slows while the engine reads and writes at once (at the
+  best row's settings), as an overlapped offloaded step runs them beside a CPU device's compute: a
+  probe (bf16 matmuls and a LayerNorm + GELU at transformer shapes, on torch's intra-op threads)
+  timed alone and beside the streaming disk, their ratio (``slowdown``), and the engine's own CPU
+  seconds per GB moved (checksums, the I/O threads). The planner's slowdown of a CPU device's compute
+  for the part of a phase the disk is busy.
 - ``io``: the best sweep row (highest ``min(read, write)``) as a config ``io`` section;
   ``Config.from_dict({"io": profile["io"]})`` loads it as it is.
 
@@ -46,7 +52,9 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -408,6 +416,93 @@ def measure_nvme(directory: str, point_bytes: int, quick: bool, direct: bool,
     }
 
 
+def _contention_probe(rows: int = 512, width: int = 2048) -> Callable[[], object]:
+    """One pass of a transformer block's shapes in bf16: two matmuls through a 4x wider layer, a
+    LayerNorm and a GELU (the memory-bound ops, which feel a busy memory bus most)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g).bfloat16()
+    w1 = torch.randn(width, 4 * width, generator=g).bfloat16()
+    w2 = torch.randn(4 * width, width, generator=g).bfloat16()
+
+    def once() -> None:
+        for _ in range(4):
+            h = torch.nn.functional.gelu(x @ w1)
+            torch.nn.functional.layer_norm(h @ w2, (width,))
+    return once
+
+
+def measure_io_contention(directory: str, io: IOConfig, point_bytes: int, repeats: int) -> dict:
+    """The probe's time alone and while the engine streams reads and writes of ``point_bytes`` at once
+    (rounds of reading one set of tensors and writing another, each flushed, until the probe is done),
+    median of ``repeats`` each; and the engine's process CPU seconds per GB moved, streaming alone."""
+    probe = _contention_probe()
+    probe()   # first-touch pages and kernels' set-up are not timed
+    alone = _median_s(probe, repeats)
+    tensors = _TENSORS_PER_POINT
+    tensor_bytes = point_bytes // tensors
+    src = aligned_empty(tensor_bytes).copy_(torch.randint(0, 256, (tensor_bytes,), dtype=torch.uint8))
+    dsts = [aligned_empty(tensor_bytes) for _ in range(tensors)]
+    with IOEngine(io) as engine, ExtentFile(directory, engine, direct=io.direct, checksum=io.checksum,
+                                            initial_bytes=2 * point_bytes) as swap:
+        for f in [swap.write(f"a{i}", src) for i in range(tensors)]:
+            f.result()
+        swap.flush()
+        stop = threading.Event()
+        moved = [0]
+        failed: list = []
+
+        def stream() -> None:
+            rounds = 0
+            try:
+                while not stop.is_set():
+                    old, new = ("a", "b") if rounds % 2 == 0 else ("b", "a")
+                    futures = [swap.read(f"{old}{i}", dst) for i, dst in enumerate(dsts)]
+                    futures += [swap.write(f"{new}{i}", src) for i in range(tensors)]
+                    for f in futures:
+                        f.result()
+                    swap.flush()
+                    moved[0] += 2 * tensor_bytes * tensors
+                    rounds += 1
+            except BaseException as e:   # noqa: BLE001 - raised on the caller's thread below
+                failed.append(e)
+
+        def streaming(body: Callable[[], object]) -> tuple:
+            stop.clear()
+            moved[0] = 0
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            thread = threading.Thread(target=stream, name="infinity-profile-contention", daemon=True)
+            thread.start()
+            try:
+                result = body()
+            finally:
+                stop.set()
+                thread.join()
+            if failed:
+                raise failed[0]
+            return result, time.process_time() - cpu0, time.perf_counter() - t0
+
+        _, io_cpu_s, io_s = streaming(lambda: time.sleep(max(1.0, 2 * alone)))
+        io_bytes = moved[0]
+        beside, _, beside_wall = streaming(lambda: _median_s(probe, repeats))
+        beside_bytes = moved[0]
+    return {"probe": "bf16 (512 x 2048) @ (2048 x 8192), GELU, @ (8192 x 2048), LayerNorm; x4",
+            "compute_alone_s": alone, "compute_beside_io_s": beside, "slowdown": max(1.0, beside / alone),
+            "io_gbps": io_bytes / io_s / 1e9, "io_gbps_beside_compute": beside_bytes / beside_wall / 1e9,
+            "io_cpu_s_per_gb": io_cpu_s / max(io_bytes / 1e9, 1e-9),
+            "block_bytes": io.block_bytes, "threads": io.threads, "queue_depth": io.queue_depth,
+            "note": "probe times are medians; io_gbps counts both directions; the slowdown is floored at 1"}
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
 def best_io(sweep: list[dict], direct: bool) -> dict:
     """The config ``io`` section of the sweep row with the highest min(read, write) GB/s.
 
@@ -599,6 +694,12 @@ def run_profile(options: ProfileOptions, progress: Callable[[str], None] | None 
             profile["nvme"] = measure_nvme(scratch, base // 4, options.quick, direct, say)
         except OSError as e:  # a full or failing disk: name the directory, not a traceback
             raise ProfileError(f"--dir {parent}: NVMe sweep failed: {e}") from None
+        say("compute beside the disk: a probe alone and while the engine reads and writes at once")
+        try:
+            profile["contention"] = measure_io_contention(scratch, IOConfig(**best_io(profile["nvme"]["sweep"], direct)),
+                                                          base // 4, options.repeats)
+        except OSError as e:
+            raise ProfileError(f"--dir {parent}: the contention probe's I/O failed: {e}") from None
         say(f"cpu adam: {base // _ADAM_STATE_BYTES_PER_PARAM:,} params")
         profile["cpu_adam"] = measure_cpu_adam(base // _ADAM_STATE_BYTES_PER_PARAM, options.repeats)
         say(f"collectives: {options.nproc} gloo rank(s)")

@@ -34,7 +34,7 @@ def quick(tmp_path_factory):
 
 def test_quick_json_has_every_section_with_positive_values(quick):
     p = quick["profile"]
-    assert set(p) >= {"machine", "memcpy", "host_device", "nvme", "cpu_adam", "collectives", "io"}
+    assert set(p) >= {"machine", "memcpy", "host_device", "nvme", "contention", "cpu_adam", "collectives", "io"}
     m = p["machine"]
     assert m["cpu_count"] >= 1 and m["cores_available"] >= 1 and m["ram_bytes"] > m["ram_available_bytes"] > 0
     assert m["fs_type"] not in ("", "unknown")
@@ -63,6 +63,14 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     assert (mixed["block_bytes"], mixed["threads"], mixed["queue_depth"]) == (
         io["block_bytes"], io["threads"], io["queue_depth"])
     assert mixed["read_gbps"] > 0 and mixed["write_gbps"] > 0 and mixed["bytes_each_way"] == STEADY_BYTES // 4
+    # the probe alone and beside the engine at the best row's settings; the planner reads the ratio
+    con = p["contention"]
+    assert (con["block_bytes"], con["threads"], con["queue_depth"]) == (io["block_bytes"], io["threads"], io["queue_depth"])
+    assert con["compute_alone_s"] > 0 and con["compute_beside_io_s"] > 0
+    assert con["slowdown"] == max(1.0, con["compute_beside_io_s"] / con["compute_alone_s"])
+    assert con["io_gbps"] > 0 and con["io_gbps_beside_compute"] > 0 and con["io_cpu_s_per_gb"] > 0
+    from infinity.plan.rates import Rates
+    assert Rates.from_profile(p).compute_slowdown == con["slowdown"]
     # quick mode runs fewer points, not smaller ones: its figures are steady-state rates
     assert p["settings"]["quick"] and p["settings"]["lower_bound"] is False and "note" not in p["settings"]
 

@@ -24,7 +24,13 @@ backward, step), so a prediction and a run compare term by term. Each comes from
   (``overlap_mode`` backward; speculative is priced as the step that commits, its kept gradients
   written in backward where the host cannot hold them) or during the next forward (next_forward:
   clipping, fp16), and what it cannot hide shows in that phase's step or forward; on a CPU compute
-  device Adam and the compute share the cores, so only the disk hides.
+  device Adam and the compute share the cores, so only the disk hides. The disk is one resource:
+  the overlapped update's reads and writes are priced together with the phase's own (parameter
+  reads, gradient writes).
+- a CPU compute device slows beside the disk: the cores and memory bus it computes on also run the I/O
+  engine (checksums, copies, its threads). The part of a phase's CPU work (compute, and Adam where the
+  update overlaps it) that the disk is busy runs the profile's ``contention`` ``slowdown`` times slower
+  (1.30 measured here: a bf16 probe beside reads and writes at once).
 - communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
   its per-unit size, exposed in full (gloo runs on the cores the compute uses).
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
@@ -94,6 +100,14 @@ def _disk_s(read_bytes: float, write_bytes: float, rates) -> float:
     if read_bytes and write_bytes:
         return max(read_bytes / (rates.mixed_read_gbps * 1e9), write_bytes / (rates.mixed_write_gbps * 1e9))
     return read_bytes / (rates.read_gbps * 1e9) + write_bytes / (rates.write_gbps * 1e9)
+
+
+def _beside_disk(cpu_s: float, disk_s: float, slowdown: float) -> float:
+    """``cpu_s`` of work on a CPU device beside ``disk_s`` of the I/O engine streaming: the part of it the
+    disk is busy runs ``slowdown`` times slower (the profile's ``contention``)."""
+    if cpu_s <= 0 or slowdown <= 1.0:
+        return cpu_s
+    return cpu_s + (slowdown - 1.0) * min(cpu_s, disk_s)
 
 
 def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
@@ -212,10 +226,16 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
     compute_f, compute_b = compute.forward_s(), compute.backward_s(checkpointing)
     phases = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
+    # a CPU device computes on the cores (and memory bus) the I/O engine uses: slowed while the disk streams
+    slowdown = (rates.compute_slowdown or 1.0) if device_is_host else 1.0
+    if device_is_host and rates.compute_slowdown is None and placement.any_offload:
+        notes.append("the profile has no contention section: a CPU device's compute beside the disk is priced "
+                     "as if alone (run `infinity profile` again)")
 
     # forward: parameter reads, hidden behind compute by the prefetcher except the first unit's
     disk_f = _disk_s(read["forward"], 0, rates)
     first_s = _disk_s(traffic["first_read"], 0, rates)
+    compute_f = _beside_disk(compute_f, disk_f, slowdown)
     exposed_f = max(disk_f - compute_f, min(first_s, disk_f)) if prefetching else disk_f
     gathers = traffic["moved"].get("host->device", 0)
     phases["forward"].update(compute_s=compute_f, io_wait_s=exposed_f, comm_s=comm["forward"],
@@ -223,6 +243,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
     # backward: parameter reads again, gradient writes; gradients folded into flat buffers
     disk_b = _disk_s(read["backward"], write["backward"], rates)
+    compute_b_alone = compute_b
+    compute_b = _beside_disk(compute_b, disk_b, slowdown)
     exposed_b = max(disk_b - compute_b, 0.0) if prefetching or not read["backward"] else disk_b
     fold = full_numel * r_size + traffic["moved"].get("device->host", 0)
     phases["backward"].update(compute_s=compute_b, io_wait_s=exposed_b, comm_s=comm["backward"],
@@ -252,15 +274,20 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         if overlap == "speculative":
             notes.append("speculative: the step that commits; one that clips (or overflows) redoes its update "
                          "after backward, unhidden, and the next steps run as next_forward until norms calm")
-        host = phases["backward" if in_backward else "forward"]
+        name = "backward" if in_backward else "forward"
+        host = phases[name]
         waits = step if in_backward else host
-        busy = host["compute_s"]
+        # one disk: the update's reads and writes share it with the phase's own (its exposed part counted)
+        disk_all = _disk_s(read[name] + read["step"], write[name] + write["step"], rates) + fill
+        own_exposed = host["io_wait_s"]
         if device_is_host:
-            host["compute_s"] += adam
+            alone = (compute_b_alone if in_backward else compute.forward_s()) + adam
+            host["compute_s"] = _beside_disk(alone, disk_all, slowdown)
             notes.append(f"overlap ({overlap}) on a CPU device: Adam shares the cores with the compute")
-            waits["io_wait_s"] += max(disk_s + fill - (busy + adam), _disk_s(0, chunk_write, rates))
+            waits["io_wait_s"] += max(disk_all - own_exposed - host["compute_s"], _disk_s(0, chunk_write, rates))
         else:
-            left = max(adam + pipeline_io - busy, 0.0)
+            busy = host["compute_s"]
+            left = max(max(adam, disk_all - own_exposed - fill) + fill - busy, 0.0)
             waits["adam_s"] += min(adam, left)
             waits["io_wait_s"] += max(left - min(adam, left), _disk_s(0, chunk_write, rates))
     else:

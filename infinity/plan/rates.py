@@ -65,6 +65,9 @@ class Rates:
     source: str = "profile"
     cores: int = 1
     ram_available_bytes: int = 0
+    # CPU compute beside the disk streaming reads and writes at once / alone (profile "contention");
+    # None: a profile older than that section (the compute is then priced unslowed, and said so)
+    compute_slowdown: float | None = None
 
     @classmethod
     def from_profile(cls, profile: dict, source: str = "profile") -> "Rates":
@@ -91,7 +94,8 @@ class Rates:
                        collectives=coll, io=dict(best),
                        lower_bound=bool(profile.get("settings", {}).get("lower_bound", False)), source=source,
                        cores=profile["machine"].get("cores_available", 1),
-                       ram_available_bytes=profile["machine"].get("ram_available_bytes", 0))
+                       ram_available_bytes=profile["machine"].get("ram_available_bytes", 0),
+                       compute_slowdown=(profile.get("contention") or {}).get("slowdown"))
         except (KeyError, StopIteration, TypeError) as e:
             raise PlanInputError(f"{source}: not an infinity profile (missing {e}); make one with "
                                  "`infinity profile`") from None

@@ -10,8 +10,9 @@ MiB = 2**20
 
 
 def profile_dict(read_gbps=1.0, write_gbps=1.0, adam_params_per_s=2e8, memcpy_gbps=8.0, nproc=2,
-                 adam_formats=None) -> dict:
-    """The sections Rates.from_profile reads, shaped as `infinity profile` writes them."""
+                 adam_formats=None, slowdown=None) -> dict:
+    """The sections Rates.from_profile reads, shaped as `infinity profile` writes them (``slowdown``:
+    the contention section's, None: a profile without that section)."""
     row = {"block_bytes": MiB, "queue_depth": 2, "threads": 2, "read_gbps": read_gbps, "write_gbps": write_gbps}
     coll = [{"op": op, "bytes": b, "algbw_gbps": 0.5} for op in ("all_reduce", "all_gather", "reduce_scatter")
             for b in (MiB, 8 * MiB, 32 * MiB)]
@@ -22,7 +23,8 @@ def profile_dict(read_gbps=1.0, write_gbps=1.0, adam_params_per_s=2e8, memcpy_gb
                          **({"formats": adam_formats} if adam_formats is not None else {})},
             "collectives": {"available": True, "rows": coll},
             "io": {"block_bytes": MiB, "queue_depth": 2, "threads": 2, "direct": False, "checksum": True},
-            "settings": {"lower_bound": False}}
+            "settings": {"lower_bound": False},
+            **({"contention": {"slowdown": slowdown}} if slowdown is not None else {})}
 
 
 def write_profile(path, **kw) -> str:

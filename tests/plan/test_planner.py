@@ -291,3 +291,46 @@ def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
     assert s_pred.phases["backward"]["compute_s"] == pytest.approx(u_pred.phases["backward"]["compute_s"])
     assert s_pred.phases["forward"]["compute_s"] == pytest.approx(u_pred.phases["forward"]["compute_s"])
     assert any(n.startswith("speculative: the step that commits") for n in s_pred.notes)
+
+
+def test_a_cpu_devices_compute_is_slowed_beside_the_disk_and_the_update_shares_one_disk(tmp_path):
+    """On a CPU device the compute (and the overlapped update's Adam) runs slower for the part of a phase
+    the disk is busy, by the profile's contention slowdown: on a disk-bound step all of it, so its seconds
+    move from I/O waited on to compute and the step stays the disk's; with no disk time, nothing. The
+    overlapped update's reads and writes share the disk with backward's own: backward and the step's
+    waits together take the disk time of both at once. A profile without the section is priced unslowed
+    and says so; a CUDA device is never slowed."""
+    from infinity.plan.cost import tier_traffic
+    from infinity.plan.planner import model_layout
+    from infinity.store import Tier
+    cfg = _bf16_nvme(tmp_path, overlap_backward=True).replace(tiers={"device_bytes": "256KiB"})
+    slow_disk = dict(read_gbps=1e-3, write_gbps=1.0)   # reads the slow side: backward's own reads count
+    alone, slowed = _predict(tmp_path, cfg, rates(**slow_disk)), _predict(tmp_path, cfg, rates(slowdown=1.5, **slow_disk))
+    assert any("no contention section" in n for n in alone.notes)
+    assert not any("no contention section" in n for n in slowed.notes)
+    for phase in ("forward", "backward"):
+        assert alone.phases[phase]["compute_s"] > 0
+        assert slowed.phases[phase]["compute_s"] == pytest.approx(1.5 * alone.phases[phase]["compute_s"]), phase
+    assert slowed.step_s == pytest.approx(alone.step_s)   # disk-bound: the compute hides under the disk either way
+    assert slowed.totals()["io_wait_s"] < alone.totals()["io_wait_s"]
+    # one disk: backward's own reads (its device tier is too small to keep forward's parameters) and the update's
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    t = tier_traffic(layout, cfg, cfg.tiers.host_bytes)
+    assert t["read"]["backward"] > 0 and t["read"]["step"] > 0 and t["write"]["step"] > 0
+    mixed_read, mixed_write = 0.6 * 1e6, 0.6 * 1e9   # plan_cases' at-once rates
+    both = max((t["read"]["backward"] + t["read"]["step"]) / mixed_read,
+               (t["write"]["backward"] + t["write"]["step"]) / mixed_write)
+    fill = t["chunk"][0] / 1e6 + t["chunk"][1] / 1e9
+    for p in (alone, slowed):
+        b, st = p.phases["backward"], p.phases["step"]
+        assert b["compute_s"] + b["io_wait_s"] + st["io_wait_s"] == pytest.approx(both + fill)
+    # no disk to speak of: nothing slowed
+    fast_disk = dict(read_gbps=1e6, write_gbps=1e6)
+    a, s = _predict(tmp_path, cfg, rates(**fast_disk)), _predict(tmp_path, cfg, rates(slowdown=1.5, **fast_disk))
+    assert s.step_s == pytest.approx(a.step_s, rel=1e-6)
+    # a CUDA device: its compute is not on the cores the I/O engine uses
+    from infinity.plan.cost import predict
+    c = compute(2)
+    budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
+    on_gpu = [predict(layout, cfg, c, r, 1, budgets, False, 1 << 20) for r in (rates(**slow_disk), rates(slowdown=1.5, **slow_disk))]
+    assert on_gpu[0].phases == on_gpu[1].phases
