@@ -211,10 +211,14 @@ def plan_spill(records: dict[str, KeyRecord], tier: Tier, nbytes: int) -> list[s
 
 
 def _idle(records: dict[str, KeyRecord], tier: Tier, exclude_key: str | None = None) -> list[KeyRecord]:
-    """Records, in key order, with a resident working copy in ``tier`` that no operation moves and no one pins."""
-    return [rec for key, rec in sorted(records.items())
-            if key != exclude_key and rec.op is None and tier is not rec.home and not rec.copies[tier].pins
-            and rec.copies[tier].state is Residency.RESIDENT]
+    """Records, in key order, with a resident working copy in ``tier`` that no operation moves and no one pins.
+    Called for every operation short of room, under the store's lock, over every key (thousands at 2.7B): the
+    cheapest test first, and only the few idle copies sorted."""
+    idle = [(key, rec) for key, rec in records.items()
+            if rec.copies[tier].state is Residency.RESIDENT and rec.op is None and tier is not rec.home
+            and key != exclude_key and not rec.copies[tier].pins]
+    idle.sort(key=lambda item: item[0])
+    return [rec for _, rec in idle]
 
 
 def _candidates(records: dict[str, KeyRecord], tier: Tier, exclude_key: str) -> list[Candidate]:
