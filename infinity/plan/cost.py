@@ -26,7 +26,8 @@ backward, step), so a prediction and a run compare term by term. Each comes from
   clipping, fp16), and what it cannot hide shows in that phase's step or forward; on a CPU compute
   device Adam and the compute share the cores, so only the disk hides. The disk is one resource:
   the overlapped update's reads and writes are priced together with the phase's own (parameter
-  reads, gradient writes).
+  reads, gradient writes). In backward the root unit's update comes last (the embeddings' gradient is
+  final when backward ends): at least its reads and writes show in the step.
 - a CPU compute device slows beside the disk: the cores and memory bus it computes on also run the I/O
   engine (checksums, copies, its threads). The part of a phase's CPU work (compute, and Adam where the
   update overlaps it) that the disk is busy runs the profile's ``contention`` ``slowdown`` times slower
@@ -127,6 +128,7 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
         plan = placement.host_resident_plan(units, stage, p_size, r_size, room)
     on_disk = {cls: 0 for cls in TensorClass}   # bytes homed on NVMe and not resident, per class
     root_param = 0
+    root_job = {"states": 0, "grads": 0, "write": 0}   # the root unit's update: its gradient is final last
     chunk_read = chunk_write = 0
     for u in units:
         kept = plan.get(u.index, frozenset())
@@ -135,10 +137,13 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
                    if placement.home(cls) is Tier.NVME and (cls, c) not in kept}
             for cls, n in one.items():
                 on_disk[cls] += n
-            if u.is_root:
-                root_param += one.get(TensorClass.PARAM, 0)
             job_read = sum(n for cls, n in one.items() if cls in OPTIMIZER_CLASSES or cls is TensorClass.GRAD)
             job_write = sum(n for cls, n in one.items() if cls in OPTIMIZER_CLASSES or cls is TensorClass.PARAM)
+            if u.is_root:
+                root_param += one.get(TensorClass.PARAM, 0)
+                root_job["grads"] += one.get(TensorClass.GRAD, 0)
+                root_job["states"] += job_read - one.get(TensorClass.GRAD, 0)
+                root_job["write"] += job_write
             chunk_read, chunk_write = max(chunk_read, job_read), max(chunk_write, job_write)
     params = on_disk[TensorClass.PARAM]
     states = sum(on_disk[c] for c in OPTIMIZER_CLASSES)
@@ -174,7 +179,8 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
     if placement.grads is not None and stage >= 2:
         moved["device->host"] = sum(u.shard_numel for u in units) * r_size
     return {"read": read, "write": write, "moved": {k: v for k, v in moved.items() if v},
-            "first_read": first, "chunk": (chunk_read, chunk_write), "plan": plan}
+            "first_read": first, "chunk": (chunk_read, chunk_write), "plan": plan,
+            "root_job": (root_job["states"] + (0 if deferred else root_job["grads"]), root_job["write"])}
 
 
 def _comm_s(layout: Layout, config: Config, world: int, rates) -> dict:
@@ -277,6 +283,10 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         name = "backward" if in_backward else "forward"
         host = phases[name]
         waits = step if in_backward else host
+        # in backward the root unit's gradient (the embeddings: used first in forward) is final last, so its
+        # update's reads and writes run after backward, with nothing left to hide behind
+        tail = _disk_s(*traffic["root_job"], rates) if in_backward else 0.0
+        tail = max(tail, _disk_s(0, chunk_write, rates))
         # one disk: the update's reads and writes share it with the phase's own (its exposed part counted)
         disk_all = _disk_s(read[name] + read["step"], write[name] + write["step"], rates) + fill
         own_exposed = host["io_wait_s"]
@@ -284,12 +294,12 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
             alone = (compute_b_alone if in_backward else compute.forward_s()) + adam
             host["compute_s"] = _beside_disk(alone, disk_all, slowdown)
             notes.append(f"overlap ({overlap}) on a CPU device: Adam shares the cores with the compute")
-            waits["io_wait_s"] += max(disk_all - own_exposed - host["compute_s"], _disk_s(0, chunk_write, rates))
+            waits["io_wait_s"] += max(disk_all - own_exposed - host["compute_s"], tail)
         else:
             busy = host["compute_s"]
             left = max(max(adam, disk_all - own_exposed - fill) + fill - busy, 0.0)
             waits["adam_s"] += min(adam, left)
-            waits["io_wait_s"] += max(left - min(adam, left), _disk_s(0, chunk_write, rates))
+            waits["io_wait_s"] += max(left - min(adam, left), tail)
     else:
         step["adam_s"] = adam
         step["io_wait_s"] = pipeline_io

@@ -334,3 +334,23 @@ def test_a_cpu_devices_compute_is_slowed_beside_the_disk_and_the_update_shares_o
     budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
     on_gpu = [predict(layout, cfg, c, r, 1, budgets, False, 1 << 20) for r in (rates(**slow_disk), rates(slowdown=1.5, **slow_disk))]
     assert on_gpu[0].phases == on_gpu[1].phases
+
+
+def test_the_root_units_update_shows_after_an_overlapped_backward(tmp_path):
+    """The root unit's gradient (the embeddings) is final when backward ends, so its update's reads and
+    writes have nothing to hide behind: with compute long enough to hide every other unit's, the step still
+    waits for the root's (its reads and writes at once), here longer than one chunk's write, on either device."""
+    from infinity.plan.cost import predict, tier_traffic
+    from infinity.plan.planner import model_layout
+    from infinity.store import Tier
+    cfg = _bf16_nvme(tmp_path, overlap_backward=True)
+    slow = compute(2, block_s=1e3, root_s=1e3)   # compute far longer than the whole step's disk time
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, slow)
+    budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
+    t = tier_traffic(layout, cfg, cfg.tiers.host_bytes)
+    read, write = t["root_job"]
+    mixed = 0.6 * 1e-3 * 1e9   # plan_cases' at-once rates
+    assert read > 0 and max(read, write) / mixed > t["chunk"][1] / 1e6 > 0   # longer than one chunk's write alone
+    for device_is_host in (True, False):
+        p = predict(layout, cfg, slow, rates(read_gbps=1e-3, write_gbps=1e-3), 1, budgets, device_is_host, 1 << 20)
+        assert p.phases["step"]["io_wait_s"] == pytest.approx(max(read, write) / mixed), device_is_host
