@@ -189,14 +189,24 @@ def machine_info(directory: str, direct: bool) -> dict:
     return info
 
 
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    """Shortest wall time of ``repeats`` calls of ``fn``."""
-    best = math.inf
+def _wall_times(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall time of each of ``repeats`` calls of ``fn``."""
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _best_s(fn: Callable[[], object], repeats: int) -> float:
+    """Shortest wall time of ``repeats`` calls of ``fn``."""
+    return max(min(_wall_times(fn, repeats)), 1e-9)
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn``."""
+    return max(statistics.median(_wall_times(fn, repeats)), 1e-9)
 
 
 def measure_memcpy(nbytes: int, repeats: int = 3) -> dict:
@@ -491,16 +501,6 @@ def measure_io_contention(directory: str, io: IOConfig, point_bytes: int, repeat
             "io_cpu_s_per_gb": io_cpu_s / max(io_bytes / 1e9, 1e-9),
             "block_bytes": io.block_bytes, "threads": io.threads, "queue_depth": io.queue_depth,
             "note": "probe times are medians; io_gbps counts both directions; the slowdown is floored at 1"}
-
-
-def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``repeats`` calls of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return max(statistics.median(times), 1e-9)
 
 
 def best_io(sweep: list[dict], direct: bool) -> dict:

@@ -179,3 +179,22 @@ def test_bad_arguments_give_one_line_and_exit_2(capsys, tmp_path, argv, names):
     assert len(err.strip().splitlines()) == 1 and names in err, err
     # rejected before measuring: no output directory made, no scratch files left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_failing_disk_in_the_contention_probe_names_the_directory(tmp_path, monkeypatch):
+    """An I/O error while the contention probe streams (a full disk) ends the profile with a one-line
+    ProfileError naming the directory and the probe, not a traceback (the cheap sections are faked)."""
+    import errno
+
+    from infinity import profile as prof
+    monkeypatch.setattr(prof, "measure_memcpy", lambda *a, **k: {})
+    monkeypatch.setattr(prof, "measure_host_device", lambda *a, **k: {})
+    row = {"block_bytes": MiB, "queue_depth": 1, "threads": 1, "read_gbps": 1.0, "write_gbps": 1.0}
+    monkeypatch.setattr(prof, "measure_nvme", lambda *a, **k: {"sweep": [row]})
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(prof, "measure_io_contention", full)
+    with pytest.raises(prof.ProfileError, match=r"--dir .*the contention probe's I/O failed: .*No space left"):
+        prof.run_profile(prof.ProfileOptions(quick=True, directory=str(tmp_path), nproc=1))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".infinity-profile-")]   # scratch removed

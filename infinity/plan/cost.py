@@ -31,7 +31,7 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 - a CPU compute device slows beside the disk: the cores and memory bus it computes on also run the I/O
   engine (checksums, copies, its threads). The part of a phase's CPU work (compute, and Adam where the
   update overlaps it) that the disk is busy runs the profile's ``contention`` ``slowdown`` times slower
-  (1.30 measured here: a bf16 probe beside reads and writes at once).
+  (1.30-1.43 measured here: a bf16 probe beside reads and writes at once).
 - communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
   its per-unit size, exposed in full (gloo runs on the cores the compute uses).
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
@@ -230,7 +230,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     comm = _comm_s(layout, config, world, rates)
     notes = []
 
-    compute_f, compute_b = compute.forward_s(), compute.backward_s(checkpointing)
+    compute_f_alone, compute_b_alone = compute.forward_s(), compute.backward_s(checkpointing)
     phases = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
     # a CPU device computes on the cores (and memory bus) the I/O engine uses: slowed while the disk streams
     slowdown = (rates.compute_slowdown or 1.0) if device_is_host else 1.0
@@ -241,7 +241,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     # forward: parameter reads, hidden behind compute by the prefetcher except the first unit's
     disk_f = _disk_s(read["forward"], 0, rates)
     first_s = _disk_s(traffic["first_read"], 0, rates)
-    compute_f = _beside_disk(compute_f, disk_f, slowdown)
+    compute_f = _beside_disk(compute_f_alone, disk_f, slowdown)
     exposed_f = max(disk_f - compute_f, min(first_s, disk_f)) if prefetching else disk_f
     gathers = traffic["moved"].get("host->device", 0)
     phases["forward"].update(compute_s=compute_f, io_wait_s=exposed_f, comm_s=comm["forward"],
@@ -249,8 +249,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
     # backward: parameter reads again, gradient writes; gradients folded into flat buffers
     disk_b = _disk_s(read["backward"], write["backward"], rates)
-    compute_b_alone = compute_b
-    compute_b = _beside_disk(compute_b, disk_b, slowdown)
+    compute_b = _beside_disk(compute_b_alone, disk_b, slowdown)
     exposed_b = max(disk_b - compute_b, 0.0) if prefetching or not read["backward"] else disk_b
     fold = full_numel * r_size + traffic["moved"].get("device->host", 0)
     phases["backward"].update(compute_s=compute_b, io_wait_s=exposed_b, comm_s=comm["backward"],
@@ -291,7 +290,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         disk_all = _disk_s(read[name] + read["step"], write[name] + write["step"], rates) + fill
         own_exposed = host["io_wait_s"]
         if device_is_host:
-            alone = (compute_b_alone if in_backward else compute.forward_s()) + adam
+            alone = (compute_b_alone if in_backward else compute_f_alone) + adam
             host["compute_s"] = _beside_disk(alone, disk_all, slowdown)
             notes.append(f"overlap ({overlap}) on a CPU device: Adam shares the cores with the compute")
             waits["io_wait_s"] += max(disk_all - own_exposed - host["compute_s"], tail)

@@ -359,8 +359,8 @@ class TensorStore(TransferRunner):
     def wait_for_pins(self, tier: Tier | str, owners: Callable[[object], bool],
                       stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> bool:
         """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks (the time counted
-        in ``stats()["wait_s"]``); False at once (nothing waited for) when none is. For a caller refused room (BudgetError) held by pins of owners
-        that drop them without waiting for that caller, e.g. an optimizer's swap-in beside gradient folds
+        in ``stats()["wait_s"]``); False at once (nothing waited for) when none is. For a caller refused
+        room (BudgetError) held by pins of owners that drop them without waiting for that caller, e.g. an optimizer's swap-in beside gradient folds
         that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
         tier = Tier.parse(tier)
 
