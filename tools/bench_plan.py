@@ -1,15 +1,17 @@
 """Prediction accuracy of ``infinity plan``: plan -> train a few steps -> predicted vs measured, per workload.
 
     python tools/bench_plan.py --profile PROFILE.json [--workloads small-1g,small-4g,small-s3-w2] [--steps 4]
-                               [--swap-dir DIR] [--json]
+                               [--repeat 3] [--swap-dir DIR] [--json]
 
 For each workload the planner picks a config (or, with a fixed ``config``, only predicts it); the
 config is then trained for ``--steps`` steps in a fresh process (``world`` ranks over gloo), and the
 median of the steps after the first (the first records the prefetch order) is compared with the
 prediction: the step time, each phase's terms (compute / I/O waited on / Adam / communication /
 unattributed, :mod:`infinity.zero.stats`), peak RSS (the engine's memory report, VmHWM per step) and
-the NVMe bytes per step. The worst step and RSS errors are printed last. ``--sweep`` adds the
-choice-quality check: the planner's config and hand-written ones measured back to back.
+the NVMe bytes per step. ``--repeat N`` runs every workload N times over (plan and train each time, one
+pass over the workloads after another), and each workload's error is then that of the median
+predicted against the median measured. The worst step and RSS errors are printed last. ``--sweep``
+adds the choice-quality check: the planner's config and hand-written ones measured back to back.
 
 Workloads (GPT-2 small is transformers' GPT2LMHeadModel from GPT2Config, vocab 50257, 12 x 768,
 sequence 256, micro-batch 2, bf16 compute):
@@ -207,11 +209,29 @@ def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
     return rows
 
 
+def _medians(rows: list) -> list:
+    """One row per workload: the median predicted and measured step and peak RSS over its passes, their
+    errors, and each pass's step error (``step_errors``)."""
+    out = []
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == name]
+        row = {"workload": name, "passes": len(mine), "step_errors": [r["step_error"] for r in mine]}
+        for key in ("predicted_step_s", "measured_step_s", "predicted_rss_bytes", "measured_rss_bytes"):
+            values = [r[key] for r in mine if r[key] is not None]
+            row[key] = statistics.median(values) if values else None
+        row["step_error"] = row["predicted_step_s"] / row["measured_step_s"] - 1
+        row["rss_error"] = (row["predicted_rss_bytes"] / row["measured_rss_bytes"] - 1
+                            if row["measured_rss_bytes"] else None)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", help="infinity profile JSON")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the workloads; medians are compared")
     ap.add_argument("--swap-dir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sweep", default=None, metavar="CONFIGS",
@@ -229,8 +249,9 @@ def main() -> None:
 
     swap_root = a.swap_dir or tempfile.mkdtemp(prefix="bench-plan-", dir=os.getcwd())
     results = []
+    passes = [(i, name) for i in range(a.repeat) for name in a.workloads.split(",")]
     try:
-        for name in a.workloads.split(","):
+        for run, name in passes:
             w = dict(WORKLOADS[name])
             if w["model"] == "pretrained":
                 w["model"] = _pretrained_dir(swap_root)
@@ -252,7 +273,7 @@ def main() -> None:
             peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
             measured_rss = max(peaks) if peaks else None
             nvme = statistics.median(sum(v for k, v in s["moved_bytes"].items() if "nvme" in k) for s in later)
-            row = {"workload": name, "resolved": w, "chosen": plan["chosen"], "predicted_step_s": pred_step,
+            row = {"workload": name, "pass": run + 1, "resolved": w, "chosen": plan["chosen"], "predicted_step_s": pred_step,
                    "measured_step_s": measured_step, "step_error": pred_step / measured_step - 1,
                    "predicted_rss_bytes": pred_rss, "measured_rss_bytes": measured_rss,
                    "rss_error": pred_rss / measured_rss - 1 if measured_rss else None,
@@ -264,7 +285,7 @@ def main() -> None:
                    "config": cfg_path}
             results.append(row)
             if not a.json:
-                print(f"== {name}: {row['chosen']}  (load avg {row['load']})")
+                print(f"== {name} (pass {run + 1}/{a.repeat}): {row['chosen']}  (load avg {row['load']})")
                 print(f"   step  predicted {pred_step:7.2f} s  measured {measured_step:7.2f} s  "
                       f"error {row['step_error']:+.1%}")
                 if measured_rss:
@@ -289,7 +310,7 @@ def main() -> None:
     finally:
         if a.swap_dir is None:
             shutil.rmtree(swap_root, ignore_errors=True)
-    planned = [r for r in results if "refused" not in r]
+    planned = _medians([r for r in results if "refused" not in r])
     if not planned:
         raise SystemExit("bench_plan: no workload was planned")
     worst_step = max(planned, key=lambda r: abs(r["step_error"]))
@@ -299,8 +320,15 @@ def main() -> None:
                "worst_rss_error": worst_rss["rss_error"] if worst_rss else None,
                "worst_rss_workload": worst_rss["workload"] if worst_rss else None}
     if a.json:
-        print(json.dumps({"results": results, "summary": summary}, indent=2))
+        print(json.dumps({"results": results, "medians": planned, "summary": summary}, indent=2))
     else:
+        if a.repeat > 1:
+            print(f"medians of {a.repeat} passes (plan and train each pass):")
+            for r in planned:
+                rss = (f"RSS {r['predicted_rss_bytes'] / GIB:5.2f} / {r['measured_rss_bytes'] / GIB:5.2f} GiB "
+                       f"({r['rss_error']:+.1%})" if r["rss_error"] is not None else "RSS n/a")
+                print(f"   {r['workload']:<14} step {r['predicted_step_s']:7.2f} / {r['measured_step_s']:7.2f} s "
+                      f"({r['step_error']:+.1%}, passes {', '.join(f'{e:+.1%}' for e in r['step_errors'])})  {rss}")
         print(f"worst step error {summary['worst_step_error']:+.1%} ({summary['worst_step_workload']}); "
               f"worst peak-RSS error " + (f"{summary['worst_rss_error']:+.1%} ({summary['worst_rss_workload']})"
                                           if worst_rss else "n/a"))

@@ -6,7 +6,8 @@ built as a real :class:`~infinity.config.Config` (a combination the config refus
 so a rule added there, or a mode added by a later change, is followed here without a copy),
 checked against the memory granted (the budgets ``initialize`` enforces, and the device and RAM
 its predicted peak needs), and predicted by :mod:`infinity.plan.cost`. The fastest feasible one
-wins; the next best are kept with the terms they lost by. A request nothing fits is refused
+wins, save that predictions within :data:`TIE` of the fastest are ties and the one moving the fewest
+bytes through the disk wins among them; the next best are kept with the terms they lost by. A request nothing fits is refused
 before anything is allocated, naming the least memory that would run.
 
 Adding a knob or a mode is a row in :data:`DIMENSIONS` (a config key and its values); a stored
@@ -58,6 +59,13 @@ DIMENSIONS = {
 }
 # knobs that change nothing unless something is stored (chunking) or stage-3 parameters are (prefetch)
 _STORE_ONLY = ("offload.chunk_bytes",)
+# Predicted steps this close to the fastest are ties: the candidate moving the fewest disk bytes wins among
+# them. Candidates that far apart differ by less than the model's own error between configs: at GPT-2 2.7B
+# the fp32 and remainder masters came out 0.8% apart (the remainder's slower Adam against its 10 GiB less
+# traffic, hidden under a compute-bound backward), and which one won flipped with the compute timing of
+# the plan; measured, the remainder master's step was 4 s (5%) faster (tools/bench_plan.py). A disk that
+# moves less is the pick whose step holds when compute runs slower than timed.
+TIE = 0.03
 _STORED_PARAMS_ONLY = ("prefetch.bytes",)
 
 
@@ -107,6 +115,11 @@ class Choice:
     def step_s(self) -> float:
         return self.prediction.step_s if self.prediction is not None else float("inf")
 
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes its predicted step reads from and writes to the NVMe tier."""
+        return sum(v for k, v in self.prediction.moved_bytes.items() if "nvme" in k) if self.prediction else 0
+
     def label(self) -> str:
         k = self.knobs
         off = "/".join(f"{c}:{k[f'offload.{c}']}" for c in ("params", "grads", "optimizer"))
@@ -114,7 +127,9 @@ class Choice:
                   "overlap" if k["optimizer.overlap_backward"] else None,
                   "ckpt" if k["zero.activation_checkpointing"] else None,
                   f"reduce {k['precision.reduce_dtype']}",
-                  ("prefetch" if k["prefetch.bytes"] else "no prefetch") if _stored_params(k) else None]
+                  ("prefetch" if k["prefetch.bytes"] else "no prefetch") if _stored_params(k) else None,
+                  f"master {k['optimizer.master']}" if k["optimizer.master"] != "fp32" else None,
+                  f"moments {k['optimizer.moments']}" if k["optimizer.moments"] != "fp32" else None]
         return f"stage {k['zero.stage']} {off} " + ", ".join(e for e in extras if e)
 
 
@@ -138,6 +153,10 @@ class Plan:
 
     def why_lost(self, other: Choice) -> str:
         """``other``'s predicted step against the chosen one's, by the terms that differ most."""
+        if other.step_s < self.chosen.step_s:   # a tie (TIE) the chosen one won by moving less through the disk
+            return (f"predicted {1 - other.step_s / self.chosen.step_s:.1%} faster ({other.step_s:.2f}s), within "
+                    f"the {TIE:.0%} tie, but moves {format_size(other.disk_bytes - self.chosen.disk_bytes)} more "
+                    "through the disk per step")
         a, b = self.chosen.prediction.totals(), other.prediction.totals()
         diffs = sorted(((b[t] - a[t], t) for t in TERMS), key=lambda d: -abs(d[0]))
         parts = [f"{t[:-2]} {d:+.2f}s" for d, t in diffs if abs(d) >= 0.005][:3]
@@ -255,16 +274,12 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
     fitting = sorted((c for c in choices if c.fits), key=lambda c: (c.step_s, c.prediction.rss.total_bytes))
     if not fitting:
         raise InfeasiblePlan(_minimum_message(choices, host_grant, device_grant, request))
-    chosen = fitting[0]
+    ties = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
+    chosen = min(ties, key=lambda c: (c.disk_bytes, c.step_s))
     alts = []
-    for c in fitting[1:]:
+    for c in (c for c in fitting if c is not chosen):
         # distinct in a knob that matters: same placement and stage differing only in chunk size is noise
-        sig = (c.knobs["zero.stage"], c.knobs["offload.params"], c.knobs["offload.grads"],
-               c.knobs["offload.optimizer"], c.knobs["optimizer.overlap_backward"],
-               c.knobs["zero.activation_checkpointing"])
-        if sig in {(a.knobs["zero.stage"], a.knobs["offload.params"], a.knobs["offload.grads"],
-                    a.knobs["offload.optimizer"], a.knobs["optimizer.overlap_backward"],
-                    a.knobs["zero.activation_checkpointing"]) for a in alts + [chosen]}:
+        if _signature(c) in {_signature(a) for a in alts + [chosen]}:
             continue
         alts.append(c)
         if len(alts) == alternatives:
@@ -274,6 +289,13 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
     return Plan(request=request, rates=rates, compute={request.param_dtype: compute}, chosen=chosen,
                 alternatives=alts, faster_unfit=unfit, considered=len(choices),
                 budgets={Tier.HOST: host_grant, Tier.DEVICE: chosen.config.tiers.device_bytes})
+
+
+def _signature(c: Choice) -> tuple:
+    """The knobs that make two candidates different choices (chunk size and prefetch alone are noise)."""
+    return tuple(c.knobs[k] for k in ("zero.stage", "offload.params", "offload.grads", "offload.optimizer",
+                                      "optimizer.overlap_backward", "zero.activation_checkpointing",
+                                      "optimizer.master", "optimizer.moments"))
 
 
 def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: int, host_grant: int,
