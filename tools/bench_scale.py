@@ -122,30 +122,60 @@ def gpt2_init_(module, n_layer):
             m.bias.zero_()
 
 
-def infinity_config(a) -> dict:
-    conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
-            "optimizer": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01, "threads": a.threads},
+WORKLOAD_OPTIMIZER = {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}
+
+
+def builtin_config(a) -> dict:
+    """The workload's own config: ZeRO-3, bf16, everything on NVMe, the grant as tier budgets."""
+    return {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
+            "optimizer": {**WORKLOAD_OPTIMIZER, "threads": a.threads},
             "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
             "tiers": {"host_bytes": a.host_bytes, "device_bytes": a.device_bytes, "nvme_path": a.swap_dir}}
+
+
+def is_auto(conf: dict) -> bool:
+    return conf.get("offload") == "auto"
+
+
+def infinity_config(a) -> dict:
+    """The built-in config, or ``--config``'s file with the workload's optimizer hyper-parameters, threads and
+    swap directory put in (an ``offload: auto`` file gets the grant as its ``plan`` section's memory: the
+    planner then picks the rest at ``initialize``), then the ``--set`` overrides."""
     import yaml
+    if a.config:
+        with open(a.config) as f:
+            conf = yaml.safe_load(f) or {}
+        conf.setdefault("optimizer", {}).update(WORKLOAD_OPTIMIZER, threads=a.threads)
+        conf.setdefault("tiers", {})["nvme_path"] = a.swap_dir
+        if is_auto(conf):
+            conf["plan"] = {**(conf.get("plan") or {}), "host_bytes": a.host_bytes, "device_bytes": a.device_bytes}
+        else:
+            conf["tiers"].update(host_bytes=a.host_bytes, device_bytes=a.device_bytes)
+    else:
+        conf = builtin_config(a)
     for item in a.set:   # section.key=value, the value read as YAML (true, 2GiB, 4, [0.9, 0.95])
         key, eq, value = item.partition("=")
         section, dot, name = key.strip().partition(".")
         if not (eq and dot and name):
             sys.exit(f"--set {item!r}: expected section.key=value, e.g. optimizer.overlap_backward=true")
         conf.setdefault(section, {})[name] = yaml.safe_load(value)
-    try:
-        Config.from_dict(conf)   # unknown keys and bad values are refused here, before anything runs
+    try:   # unknown keys and bad values are refused here, before anything runs
+        if is_auto(conf):
+            from infinity.plan.auto import read_auto
+            Config.from_dict(read_auto(conf)[0])
+        else:
+            Config.from_dict(conf)
     except ConfigError as e:
-        sys.exit(f"--set: {e}")
+        sys.exit(f"{'--config / --set' if a.config else '--set'}: {e}")
     return conf
 
 
 def disk_need(a) -> dict:
     """Swap bytes of each system (ours: every class the placement homes on NVMe, in its stored format, as
     the engine counts it, with a speculative update's spares) and of the disk test; they run one after
-    the other, each removing its files, so the largest counts, plus the peers' 4 GiB."""
-    config = Config.from_dict(a.conf)
+    the other, each removing its files, so the largest counts, plus the peers' 4 GiB. An ``offload: auto``
+    config is counted as the built-in one (everything on NVMe, fp32 master: the most the planner can store)."""
+    config = Config.from_dict(builtin_config(a) if is_auto(a.conf) else a.conf)
     placement = Placement.from_config(config)
     sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
@@ -356,6 +386,7 @@ def child_train(a) -> dict:
                 int(act * (1 + predicted["slack_fraction"]))
     store = engine.store.stats()
     out = {"n_params": sum(p.numel() for p in model.parameters()), "setup_s": setup_s, "rss_before_model": rss0,
+           "engine_config": engine.config.to_dict(),   # what ran: an auto config's choice
            "setup_hwm": setup_hwm, "rss_before_steps": rss_before_steps, "hwm_reset_after_setup": hwm_reset,
            "peak_rss": peak_rss, "memory_breakdown": {"source": source, "report": breakdown}, "predicted": predicted,
            "losses": [r["loss"] for r in rows], "steps": rows, "step_s": median([r["step_s"] for r in meas]),
@@ -427,6 +458,9 @@ def parse_args(argv):
     ap.add_argument("--nvme-path", help="where the fresh swap directory goes (default: the repo's parent, or /tmp)")
     ap.add_argument("--warmup", type=int, help="default 2 below 1B params, else 1")
     ap.add_argument("--steps", type=int, help="measured steps; default 5 below 1B params, else 3")
+    ap.add_argument("--config", help="a config file instead of the built-in one, e.g. configs/auto.yaml (the planner "
+                    "picks at initialize within --host-bytes / --device-bytes, which an auto config takes as all the "
+                    "device memory the engine may use); the workload's optimizer hyper-parameters are kept")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="infinity config override")
     ap.add_argument("--peer", choices=["deepspeed"], help="also run DeepSpeed ZeRO-Infinity (../shared/peers)")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", os.path.join(os.path.dirname(REPO), "shared",
@@ -484,6 +518,12 @@ def report(r):
     print(f"compute floor: {f['floor_s']:.2f} s (fastest step {f['floor_min_s']:.2f} s), bf16 forward+backward, "
           f"weights in RAM{how}; other processes' CPU per step {f['foreign_cpu']}")
     b, m = r["io_bound"], i["memory_breakdown"]
+    if r["infinity_config"].get("offload") == "auto":
+        c = i["engine_config"]
+        print(f"auto chose: stage {c['zero']['stage']}, offload {c['offload']}, optimizer master "
+              f"{c['optimizer']['master']} / moments {c['optimizer']['moments']}, overlap "
+              f"{c['optimizer']['overlap_backward']}, checkpointing {c['zero']['activation_checkpointing']}, "
+              f"tiers {c['tiers']['host_bytes']} / {c['tiers']['device_bytes']}")
     print(f"infinity: step {i['step_s']:.2f} s ({phases(**i['phases_s'])}); losses {i['losses']}; other "
           f"processes' CPU per step {[s['foreign_cpu'] for s in i['steps']]}")
     print(f"  peak RSS {i['peak_rss'] / GIB:.2f} GiB over the steps (VmHWM "
