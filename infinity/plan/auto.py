@@ -163,8 +163,11 @@ def plan_for_module(model: nn.Module, config, world: int = 1, say=None) -> tuple
                           world=world, host_bytes=options.get("host_bytes"),
                           device_bytes=options.get("device_bytes"), nvme_path=nvme_path, param_dtype=dtype,
                           base=base)
-    rates = rates_for(options.get("profile"), os.path.dirname(os.path.abspath(nvme_path)), world, say)
-    plan = run_plan(request, rates)
+    # the caller's random stream is left as it was: a model built on meta is materialized after this, and
+    # its seeded init must not depend on whether the config was planned (the timing draws weights and tokens)
+    with torch.random.fork_rng(devices=[]):
+        rates = rates_for(options.get("profile"), os.path.dirname(os.path.abspath(nvme_path)), world, say)
+        plan = run_plan(request, rates)
     return plan.config_dict(), plan
 
 

@@ -47,8 +47,9 @@ def plan_model(request: PlanRequest, profile: str | None = None, say=None) -> Pl
     import os
 
     parent = os.path.dirname(os.path.abspath(request.nvme_path)) if request.nvme_path else None
-    rates = rates_for(profile, parent if parent and os.path.isdir(parent) else None, max(request.world, 2), say)
-    return run_plan(request, rates)
+    with torch.random.fork_rng(devices=[]):   # the job's seeded init and batches are drawn after the plan
+        rates = rates_for(profile, parent if parent and os.path.isdir(parent) else None, max(request.world, 2), say)
+        return run_plan(request, rates)
 
 
 def plan_train_config(config, model: str, world: int, batch_size: int, seq_len: int, swap_dir: str | None,

@@ -108,3 +108,38 @@ def test_under_a_launcher_rank_0_plans_and_every_rank_builds_its_choice(worlds, 
     assert failed[0]["error"][0] == "InfeasiblePlan" and "below the least any config needs" in failed[0]["error"][1]
     assert failed[1]["error"][0] == "ConfigError"
     assert "failed on rank 0" in failed[1]["error"][1] and "below the least any config needs" in failed[1]["error"][1]
+
+
+def test_planning_at_initialize_leaves_the_callers_random_stream_alone(tmp_path, monkeypatch):
+    """A model built on meta and materialized by a seeded init_fn after auto planned it gets the weights the
+    same seed gives with the planned config written out: the planner's compute timing and the quick profile
+    it measures without a ``plan.profile`` (random data: stood in for here by one that draws from the
+    global generator and returns the synthetic rates) leave the caller's generator as they found it."""
+    import infinity.profile
+    from plan_cases import profile_dict
+
+    def quick_profile(options, say):
+        torch.rand(1000)
+        return profile_dict()
+
+    monkeypatch.setattr(infinity.profile, "run_profile", quick_profile)
+    def init(module):
+        with torch.no_grad():
+            for p in module.parameters(recurse=False):
+                p.normal_(0.0, 0.02)
+
+    def first_draws(config):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**SHAPE))
+        model, _ = infinity.initialize(model, config, init_fn=init)
+        engine = infinity.engine_of(model)
+        drawn = torch.rand(8)   # the stream after planning (if any) and the same init's draws
+        chosen = engine.config.to_dict()
+        engine.close()
+        return drawn, chosen
+
+    planned, chosen = first_draws(_auto(tmp_path, profile=None))
+    plain, same = first_draws(chosen)
+    assert same == chosen
+    assert torch.equal(planned, plain)
