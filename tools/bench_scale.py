@@ -58,6 +58,7 @@ sys.path.insert(0, REPO)
 import torch
 
 from infinity.config import Config, ConfigError, format_size, parse_size
+from infinity.plan.auto import read_auto, wants_auto
 from infinity.store import Tier
 from infinity.zero.engine import DTYPES
 from infinity.zero.memory_report import reset_peak_rss
@@ -133,10 +134,6 @@ def builtin_config(a) -> dict:
             "tiers": {"host_bytes": a.host_bytes, "device_bytes": a.device_bytes, "nvme_path": a.swap_dir}}
 
 
-def is_auto(conf: dict) -> bool:
-    return conf.get("offload") == "auto"
-
-
 def infinity_config(a) -> dict:
     """The built-in config, or ``--config``'s file with the workload's optimizer hyper-parameters, threads and
     swap directory put in (an ``offload: auto`` file gets the grant as its ``plan`` section's memory: the
@@ -147,7 +144,7 @@ def infinity_config(a) -> dict:
             conf = yaml.safe_load(f) or {}
         conf.setdefault("optimizer", {}).update(WORKLOAD_OPTIMIZER, threads=a.threads)
         conf.setdefault("tiers", {})["nvme_path"] = a.swap_dir
-        if is_auto(conf):
+        if wants_auto(conf):
             conf["plan"] = {**(conf.get("plan") or {}), "host_bytes": a.host_bytes, "device_bytes": a.device_bytes}
         else:
             conf["tiers"].update(host_bytes=a.host_bytes, device_bytes=a.device_bytes)
@@ -160,8 +157,7 @@ def infinity_config(a) -> dict:
             sys.exit(f"--set {item!r}: expected section.key=value, e.g. optimizer.overlap_backward=true")
         conf.setdefault(section, {})[name] = yaml.safe_load(value)
     try:   # unknown keys and bad values are refused here, before anything runs
-        if is_auto(conf):
-            from infinity.plan.auto import read_auto
+        if wants_auto(conf):
             Config.from_dict(read_auto(conf)[0])
         else:
             Config.from_dict(conf)
@@ -175,7 +171,7 @@ def disk_need(a) -> dict:
     the engine counts it, with a speculative update's spares) and of the disk test; they run one after
     the other, each removing its files, so the largest counts, plus the peers' 4 GiB. An ``offload: auto``
     config is counted as the built-in one (everything on NVMe, fp32 master: the most the planner can store)."""
-    config = Config.from_dict(builtin_config(a) if is_auto(a.conf) else a.conf)
+    config = Config.from_dict(builtin_config(a) if wants_auto(a.conf) else a.conf)
     placement = Placement.from_config(config)
     sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
@@ -518,7 +514,7 @@ def report(r):
     print(f"compute floor: {f['floor_s']:.2f} s (fastest step {f['floor_min_s']:.2f} s), bf16 forward+backward, "
           f"weights in RAM{how}; other processes' CPU per step {f['foreign_cpu']}")
     b, m = r["io_bound"], i["memory_breakdown"]
-    if r["infinity_config"].get("offload") == "auto":
+    if wants_auto(r["infinity_config"]):
         c = i["engine_config"]
         print(f"auto chose: stage {c['zero']['stage']}, offload {c['offload']}, optimizer master "
               f"{c['optimizer']['master']} / moments {c['optimizer']['moments']}, overlap "

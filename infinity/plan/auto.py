@@ -35,7 +35,8 @@ from infinity.config import ConfigError, parse_size
 from infinity.plan.planner import Plan, PlanRequest, describe, make_plan
 from infinity.plan.rates import PlanInputError, Rates, load_profile, measure_compute
 
-__all__ = ["AUTO", "wants_auto", "read_auto", "rates_for", "run_plan", "plan_for_module", "PLAN_KEYS"]
+__all__ = ["AUTO", "wants_auto", "read_auto", "rates_for", "run_plan", "plan_request", "plan_for_module",
+           "PLAN_KEYS"]
 
 AUTO = "auto"
 PLAN_KEYS = ("profile", "host_bytes", "device_bytes", "tokens")
@@ -124,6 +125,16 @@ def run_plan(request: PlanRequest, rates: Rates, device: torch.device | None = N
     return make_plan(request, rates, compute, device=device, baseline_bytes=baseline)
 
 
+def plan_request(request: PlanRequest, profile: str | None, directory: str | None, nproc: int,
+                 say=None) -> Plan:
+    """The rates (:func:`rates_for`: ``profile``, or a quick one measured now in ``directory``), then the plan
+    (:func:`run_plan`), leaving the caller's random stream as it found it: the quick profile and the compute
+    timing draw data and weights, and a model built on meta is materialized after planning, so its seeded
+    init must not depend on whether its config was planned."""
+    with torch.random.fork_rng(devices=[]):
+        return run_plan(request, rates_for(profile, directory, nproc, say))
+
+
 def _meta_copy(model: nn.Module) -> nn.Module:
     """A copy of ``model`` on the meta device, allocating nothing for its weights."""
     memo = {}
@@ -163,11 +174,7 @@ def plan_for_module(model: nn.Module, config, world: int = 1, say=None) -> tuple
                           world=world, host_bytes=options.get("host_bytes"),
                           device_bytes=options.get("device_bytes"), nvme_path=nvme_path, param_dtype=dtype,
                           base=base)
-    # the caller's random stream is left as it was: a model built on meta is materialized after this, and
-    # its seeded init must not depend on whether the config was planned (the timing draws weights and tokens)
-    with torch.random.fork_rng(devices=[]):
-        rates = rates_for(options.get("profile"), os.path.dirname(os.path.abspath(nvme_path)), world, say)
-        plan = run_plan(request, rates)
+    plan = plan_request(request, options.get("profile"), os.path.dirname(os.path.abspath(nvme_path)), world, say)
     return plan.config_dict(), plan
 
 

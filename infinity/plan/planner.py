@@ -7,8 +7,8 @@ so a rule added there, or a mode added by a later change, is followed here witho
 checked against the memory granted (the budgets ``initialize`` enforces, and the device and RAM
 its predicted peak needs), and predicted by :mod:`infinity.plan.cost`. The fastest feasible one
 wins, save that predictions within :data:`TIE` of the fastest are ties and the one moving the fewest
-bytes through the disk wins among them; the next best are kept with the terms they lost by. A request nothing fits is refused
-before anything is allocated, naming the least memory that would run.
+bytes through the disk wins among them; the next best are kept with the terms they lost by. A
+request nothing fits is refused before anything is allocated, naming the least memory that would run.
 
 Adding a knob or a mode is a row in :data:`DIMENSIONS` (a config key and its values); a stored
 state format needs its bytes in :meth:`Placement.stored_itemsizes` and its CPU Adam rate in
@@ -59,6 +59,7 @@ DIMENSIONS = {
 }
 # knobs that change nothing unless something is stored (chunking) or stage-3 parameters are (prefetch)
 _STORE_ONLY = ("offload.chunk_bytes",)
+_STORED_PARAMS_ONLY = ("prefetch.bytes",)
 # Predicted steps this close to the fastest are ties: the candidate moving the fewest disk bytes wins among
 # them. Candidates that far apart differ by less than the model's own error between configs: at GPT-2 2.7B
 # the fp32 and remainder masters came out 0.8% apart (the remainder's slower Adam against its 10 GiB less
@@ -66,7 +67,6 @@ _STORE_ONLY = ("offload.chunk_bytes",)
 # the plan; measured, the remainder master's step was 4 s (5%) faster (tools/bench_plan.py). A disk that
 # moves less is the pick whose step holds when compute runs slower than timed.
 TIE = 0.03
-_STORED_PARAMS_ONLY = ("prefetch.bytes",)
 
 
 class InfeasiblePlan(ValueError):

@@ -360,8 +360,8 @@ class TensorStore(TransferRunner):
                       stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> bool:
         """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks (the time counted
         in ``stats()["wait_s"]``); False at once (nothing waited for) when none is. For a caller refused
-        room (BudgetError) held by pins of owners that drop them without waiting for that caller, e.g. an optimizer's swap-in beside gradient folds
-        that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
+        room (BudgetError) held by pins of owners that drop them without waiting for that caller, e.g. an
+        optimizer's swap-in beside gradient folds that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
         tier = Tier.parse(tier)
 
         def held() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from infinity.plan.auto import rates_for, read_auto, run_plan
+from infinity.plan.auto import plan_request, read_auto
 from infinity.plan.planner import Plan, PlanRequest
 from infinity.train.errors import TrainError
 from infinity.train.models import build_model, max_positions, parse_model_spec
@@ -47,9 +47,8 @@ def plan_model(request: PlanRequest, profile: str | None = None, say=None) -> Pl
     import os
 
     parent = os.path.dirname(os.path.abspath(request.nvme_path)) if request.nvme_path else None
-    with torch.random.fork_rng(devices=[]):   # the job's seeded init and batches are drawn after the plan
-        rates = rates_for(profile, parent if parent and os.path.isdir(parent) else None, max(request.world, 2), say)
-        return run_plan(request, rates)
+    return plan_request(request, profile, parent if parent and os.path.isdir(parent) else None,
+                        max(request.world, 2), say)
 
 
 def plan_train_config(config, model: str, world: int, batch_size: int, seq_len: int, swap_dir: str | None,

@@ -13,8 +13,8 @@ so a phase's wall time splits into time outside the engine (the model's own forw
 backward ops: ``compute_s``) and time inside it; inside, the waits the running thread booked
 on collectives (``comm_s``) and on the tiered store (``io_wait_s``: its transfers, and room in it
 another thread holds) are read from per-thread clocks, the step's wait for the Adam pipeline is split
-into ``adam_s`` and the pipeline's own I/O waits (``io_wait_s``), and what is left is ``unattributed_s`` (hook bookkeeping, gradient
-copies into flat buffers, casts, the clip norm). The five terms sum to the phase's wall time
+into ``adam_s`` and the pipeline's own I/O waits (``io_wait_s``), and what is left is
+``unattributed_s`` (hook bookkeeping, gradient copies into flat buffers, casts, the clip norm). The five terms sum to the phase's wall time
 by construction; each is non-negative. On CUDA these are host times (time to queue the work).
 """
 

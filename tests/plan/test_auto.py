@@ -123,6 +123,7 @@ def test_planning_at_initialize_leaves_the_callers_random_stream_alone(tmp_path,
         return profile_dict()
 
     monkeypatch.setattr(infinity.profile, "run_profile", quick_profile)
+
     def init(module):
         with torch.no_grad():
             for p in module.parameters(recurse=False):

@@ -360,7 +360,6 @@ def test_predictions_within_the_tie_go_to_the_candidate_moving_fewer_disk_bytes(
     """Two masters on a fast disk: the remainder's Adam a little slower, its traffic smaller. Inside
     TIE of the fastest the remainder wins on disk bytes, and the faster-predicted fp32 master is listed
     saying so; outside TIE (a much slower remainder Adam) the fastest wins as before."""
-    from infinity.plan.planner import TIE
     fixed = {"zero.stage": 3, "offload.params": "nvme", "offload.grads": "nvme", "offload.optimizer": "nvme",
              "optimizer.overlap_backward": False, "zero.activation_checkpointing": False,
              "offload.chunk_bytes": 64 * 2**20, "prefetch.bytes": 0, "precision.reduce_dtype": "bf16"}
