@@ -243,6 +243,32 @@ def test_the_update_during_the_next_forward_hides_behind_forward_and_waits_there
         plain.phases["backward"]["compute_s"])
 
 
+def test_the_planner_chooses_where_the_update_overlaps_and_follows_clipping(tmp_path):
+    """Overlap in backward and in the next forward are both candidates; the chosen one predicts no slower than
+    the same knobs in the other mode. With clipping the config refuses backward, so every overlapped
+    candidate runs in the next forward; speculative is planned only when fixed."""
+    req = _request(tmp_path, param_dtype="bf16", host_bytes=8 << 20, device_bytes=3 << 20,
+                   fixed={"optimizer.overlap_backward": True, "offload.optimizer": "nvme"})
+    slow_disk = rates(read_gbps=0.05, write_gbps=0.05)
+    plan = make_plan(req, slow_disk, compute(2))
+    mode = plan.chosen.config.optimizer.overlap_mode
+    assert mode in ("backward", "next_forward") and plan.chosen.config.update_overlap() == mode
+    other = {"backward": "next_forward", "next_forward": "backward"}[mode]
+    pinned = {**plan.chosen.knobs, "optimizer.overlap_mode": other}
+    rival = make_plan(PlanRequest(**{**req.__dict__, "fixed": pinned}), slow_disk, compute(2))
+    assert rival.chosen.config.optimizer.overlap_mode == other
+    assert plan.chosen.step_s <= rival.chosen.step_s * (1 + TIE)
+    clipped = make_plan(PlanRequest(**{**req.__dict__, "base": {"schedule": {"clip_grad_norm": 1.0}}}),
+                        slow_disk, compute(2))
+    everything = [clipped.chosen, *clipped.alternatives]
+    assert all(c.config.optimizer.overlap_mode == "next_forward" for c in everything)
+    assert "overlap in next_forward" in clipped.chosen.label()
+    spec = make_plan(PlanRequest(**{**req.__dict__, "base": {"schedule": {"clip_grad_norm": 1.0}},
+                                    "fixed": {**req.fixed, "optimizer.overlap_mode": "speculative"}}),
+                     slow_disk, compute(2))
+    assert spec.chosen.config.update_overlap() == "speculative"
+
+
 def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_moments_unasked(tmp_path):
     req = _request(tmp_path, param_dtype="bf16", host_bytes=8 << 20, device_bytes=3 << 20)
     fast = {"remainder/fp32": {"params_per_s": 4e8}, "fp32/bf16": {"params_per_s": 4e8},
