@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
-from infinity.store.host_malloc import fix_mmap_threshold
+from infinity.store.host_malloc import fix_mmap_threshold, mmap_threshold
 from infinity.comm import watchdog
 from infinity.comm.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
@@ -27,7 +27,6 @@ __all__ = ["initialize", "engine_of"]
 _GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
 # model -> its engine, weakly both ways: the engine lives as long as the model's hooks or the optimizer
 # hold it, and its finalizer (swap files, threads) runs once both are gone
-AUTO_MMAP_THRESHOLD = 4 * 2**20   # tiers.malloc_mmap_threshold: auto (measured: see host_malloc)
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
@@ -111,12 +110,13 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
 
 def _bound_host_heap(cfg: Config) -> None:
     """``tiers.malloc_mmap_threshold`` (see :mod:`infinity.store.host_malloc`)."""
-    threshold = cfg.tiers.malloc_mmap_threshold
+    setting = cfg.tiers.malloc_mmap_threshold
     offloaded = any(v != "none" for v in (cfg.offload.optimizer, cfg.offload.params, cfg.offload.grads))
+    threshold = mmap_threshold(setting, offloaded)
     # auto leaves a threshold the environment already fixed (glibc reads MALLOC_MMAP_THRESHOLD_ at start)
-    if threshold == "off" or (threshold == "auto" and (not offloaded or "MALLOC_MMAP_THRESHOLD_" in os.environ)):
+    if threshold is None or (setting == "auto" and "MALLOC_MMAP_THRESHOLD_" in os.environ):
         return
-    fix_mmap_threshold(AUTO_MMAP_THRESHOLD if threshold == "auto" else threshold)
+    fix_mmap_threshold(threshold)
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:

@@ -106,6 +106,7 @@ _TENSORS_PER_POINT = 4  # requests in flight at once in an engine point, each cu
 # The smallest base size whose figures are steady-state rates (module doc): an NVMe point of a quarter
 # of it (32 MiB requests), CPU Adam over 32M parameters (512 MiB of state, far past any cache).
 STEADY_BYTES = 512 * _MiB
+FRESH_BYTES = 64 * _MiB   # a fresh-memory copy point: above glibc's largest mmap threshold (32 MiB)
 
 
 class ProfileError(ValueError):
@@ -210,12 +211,22 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure_memcpy(nbytes: int, repeats: int = 3) -> dict:
+    """Host copies: into memory already touched (``gbps``, ``single_thread_gbps``: page faults not timed)
+    and into a block allocated for the copy (``fresh_gbps``: its pages faulted in and zeroed by the
+    kernel as the copy first writes them, what a new tensor above the mmap threshold costs; see
+    :mod:`infinity.store.host_malloc`), at least :data:`FRESH_BYTES` so glibc maps it whatever its
+    threshold."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # both written first: page faults are not timed
     torch_s = _best_s(lambda: dst.copy_(src), repeats)
     libc_s = _best_s(lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes), repeats)
+    del dst
+    fresh_n = max(nbytes, FRESH_BYTES)
+    fresh_src = src if fresh_n == nbytes else torch.ones(fresh_n, dtype=torch.uint8)
+    fresh_s = _best_s(lambda: torch.empty(fresh_n, dtype=torch.uint8).copy_(fresh_src), repeats)
     return {"bytes": nbytes, "threads": torch.get_num_threads(),
-            "gbps": nbytes / torch_s / 1e9, "single_thread_gbps": nbytes / libc_s / 1e9}
+            "gbps": nbytes / torch_s / 1e9, "single_thread_gbps": nbytes / libc_s / 1e9,
+            "fresh_bytes": fresh_n, "fresh_gbps": fresh_n / fresh_s / 1e9}
 
 
 def measure_host_device(nbytes: int, repeats: int = 3) -> dict:

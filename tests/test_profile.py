@@ -11,7 +11,7 @@ import torch
 import infinity
 from infinity.cli import main
 from infinity.io import probe_direct_io
-from infinity.profile import (PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions, best_io,
+from infinity.profile import (FRESH_BYTES, PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions, best_io,
                               measure_collectives, measure_host_device, measure_nvme)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +40,8 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     assert m["fs_type"] not in ("", "unknown")
     assert m["direct_io"] == ("direct" if probe_direct_io(quick["swap"]) else "buffered") == p["nvme"]["mode"]
     assert p["memcpy"]["bytes"] == STEADY_BYTES and p["memcpy"]["gbps"] > 0 and p["memcpy"]["single_thread_gbps"] > 0
+    # a copy into fresh memory pays its page faults: slower than into memory already touched
+    assert p["memcpy"]["fresh_bytes"] >= FRESH_BYTES and 0 < p["memcpy"]["fresh_gbps"] < p["memcpy"]["gbps"]
 
     hd = p["host_device"]
     if torch.cuda.is_available():

@@ -35,7 +35,10 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 - communication (world size > 1): each collective's bytes at the profile's algorithm bandwidth for
   its per-unit size, exposed in full (gloo runs on the cores the compute uses).
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
-  copies between tiers) at the memcpy rate.
+  copies between tiers) at the memcpy rate; at stages 2-3 on a CPU device each unit's full gradient
+  is a new block, fresh memory where it is above the mmap threshold
+  (:func:`infinity.store.host_malloc.mmap_threshold`), so its first copies run at the profile's
+  fresh-memory rate (their page faults and zeroing).
 
 Peak RSS is :func:`infinity.estimate.peak_rss.predict_peak_rss`'s terms (the bound ``infinity estimate``
 prints, kept as ``rss_bound``) with the store's tiers at the occupancy the engine reaches instead of
@@ -50,6 +53,7 @@ from infinity.config import Config
 from infinity.plan.rates import adam_mode
 from infinity.estimate.peak_rss import RssBound, predict_peak_rss
 from infinity.store import Tier
+from infinity.store.host_malloc import GLIBC_MAX_MMAP_THRESHOLD, mmap_threshold
 from infinity.zero.engine import DTYPES
 from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, chunk_bounds
 from infinity.zero.stage import StagePolicy
@@ -211,6 +215,17 @@ def _comm_s(layout: Layout, config: Config, world: int, rates) -> dict:
     return out
 
 
+def _fresh_grad_bytes(units, config: Config, placement: Placement, r_size: int) -> int:
+    """Bytes of the stage 2-3 full gradients backward makes new on the host each step (each unit's,
+    :meth:`infinity.zero.grads.GradReducer._new_full_grad`) that glibc maps fresh rather than reuses:
+    those at or above the mmap threshold."""
+    if StagePolicy.of(config.zero.stage).grads_in_arena:
+        return 0
+    threshold = mmap_threshold(config.tiers.malloc_mmap_threshold, placement.any_offload)
+    threshold = GLIBC_MAX_MMAP_THRESHOLD if threshold is None else threshold
+    return sum(u.padded_numel * r_size for u in units if u.padded_numel * r_size >= threshold)
+
+
 def predict(layout: Layout, config: Config, compute, rates, world: int, budgets: dict,
             device_is_host: bool, max_live_bytes: int) -> Prediction:
     """The predicted step of ``config`` (module doc). ``budgets``: resolved ``{Tier: bytes}``;
@@ -251,9 +266,14 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     disk_b = _disk_s(read["backward"], write["backward"], rates)
     compute_b = _beside_disk(compute_b_alone, disk_b, slowdown)
     exposed_b = max(disk_b - compute_b, 0.0) if prefetching or not read["backward"] else disk_b
-    fold = full_numel * r_size + traffic["moved"].get("device->host", 0)
+    fresh = _fresh_grad_bytes(units, config, placement, r_size) if device_is_host else 0
+    if fresh and rates.memcpy_fresh_gbps is None:
+        notes.append("the profile has no fresh-memory copy rate: new gradient blocks are priced at the memcpy "
+                     "rate, their page faults uncounted (run `infinity profile` again)")
+    fresh_gbps = rates.memcpy_fresh_gbps or rates.memcpy_gbps
+    fold = full_numel * r_size + traffic["moved"].get("device->host", 0) - fresh
     phases["backward"].update(compute_s=compute_b, io_wait_s=exposed_b, comm_s=comm["backward"],
-                              unattributed_s=fold / memcpy + gathers / 2 / memcpy)
+                              unattributed_s=fold / memcpy + fresh / (fresh_gbps * 1e9) + gathers / 2 / memcpy)
 
     # the step: swap-in -> Adam -> write-back, pipelined
     mode = adam_mode(config)

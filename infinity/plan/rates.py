@@ -68,6 +68,9 @@ class Rates:
     # CPU compute beside the disk streaming reads and writes at once / alone (profile "contention");
     # None: a profile older than that section (the compute is then priced unslowed, and said so)
     compute_slowdown: float | None = None
+    # a copy into a block allocated for it (its pages faulted in and zeroed; profile "memcpy" fresh_gbps);
+    # None: a profile older than that figure (such copies are priced at memcpy_gbps, and said so)
+    memcpy_fresh_gbps: float | None = None
 
     @classmethod
     def from_profile(cls, profile: dict, source: str = "profile") -> "Rates":
@@ -95,7 +98,8 @@ class Rates:
                        lower_bound=bool(profile.get("settings", {}).get("lower_bound", False)), source=source,
                        cores=profile["machine"].get("cores_available", 1),
                        ram_available_bytes=profile["machine"].get("ram_available_bytes", 0),
-                       compute_slowdown=(profile.get("contention") or {}).get("slowdown"))
+                       compute_slowdown=(profile.get("contention") or {}).get("slowdown"),
+                       memcpy_fresh_gbps=profile["memcpy"].get("fresh_gbps"))
         except (KeyError, StopIteration, TypeError) as e:
             raise PlanInputError(f"{source}: not an infinity profile (missing {e}); make one with "
                                  "`infinity profile`") from None

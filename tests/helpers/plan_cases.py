@@ -10,14 +10,15 @@ MiB = 2**20
 
 
 def profile_dict(read_gbps=1.0, write_gbps=1.0, adam_params_per_s=2e8, memcpy_gbps=8.0, nproc=2,
-                 adam_formats=None, slowdown=None) -> dict:
+                 adam_formats=None, slowdown=None, fresh_gbps=None) -> dict:
     """The sections Rates.from_profile reads, shaped as `infinity profile` writes them (``slowdown``:
-    the contention section's, None: a profile without that section)."""
+    the contention section's, None: a profile without that section; ``fresh_gbps``: memcpy's
+    fresh-memory figure, None: a profile without it)."""
     row = {"block_bytes": MiB, "queue_depth": 2, "threads": 2, "read_gbps": read_gbps, "write_gbps": write_gbps}
     coll = [{"op": op, "bytes": b, "algbw_gbps": 0.5} for op in ("all_reduce", "all_gather", "reduce_scatter")
             for b in (MiB, 8 * MiB, 32 * MiB)]
     return {"machine": {"cores_available": 2, "ram_available_bytes": 16 * 2**30},
-            "memcpy": {"gbps": memcpy_gbps},
+            "memcpy": {"gbps": memcpy_gbps, **({"fresh_gbps": fresh_gbps} if fresh_gbps is not None else {})},
             "nvme": {"sweep": [row], "mixed": {"read_gbps": read_gbps * 0.6, "write_gbps": write_gbps * 0.6}},
             "cpu_adam": {"params_per_s": adam_params_per_s,
                          **({"formats": adam_formats} if adam_formats is not None else {})},

@@ -243,6 +243,29 @@ def test_the_update_during_the_next_forward_hides_behind_forward_and_waits_there
         plain.phases["backward"]["compute_s"])
 
 
+def test_new_gradient_blocks_above_the_mmap_threshold_are_priced_at_the_fresh_memory_rate(tmp_path):
+    """Stages 2-3 on a CPU device make each unit's full gradient anew: the blocks at or above the mmap
+    threshold the config fixes cost the profile's fresh-memory copy rate in backward's unattributed time;
+    a profile without that figure prices them at memcpy and says so; stage 1 folds into its arena."""
+    from infinity.plan.planner import model_layout
+    low = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "4KiB"})
+    high = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "32MiB"})
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    fresh = sum(u.padded_numel * 2 for u in layout.units if u.padded_numel * 2 >= 4096)
+    assert fresh > 0
+    slow = rates(fresh_gbps=0.1)   # memcpy 8 GB/s
+
+    def unattributed(cfg, r):
+        return _predict(tmp_path, cfg, r).phases["backward"]["unattributed_s"]
+
+    assert unattributed(low, slow) - unattributed(high, slow) == pytest.approx(fresh / 0.1e9 - fresh / 8e9)
+    old = _predict(tmp_path, low, rates())
+    assert old.phases["backward"]["unattributed_s"] == pytest.approx(unattributed(high, slow))
+    assert any("no fresh-memory copy rate" in n for n in old.notes)
+    stage1 = low.replace(zero={"stage": 1}, offload={"params": "none", "grads": "none"})
+    assert unattributed(stage1, slow) == pytest.approx(unattributed(stage1, rates()))
+
+
 def test_the_planner_chooses_where_the_update_overlaps_and_follows_clipping(tmp_path):
     """Overlap in backward and in the next forward are both candidates; the chosen one predicts no slower than
     the same knobs in the other mode. With clipping the config refuses backward, so every overlapped
