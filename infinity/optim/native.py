@@ -6,13 +6,9 @@ conversion, twice over), measured at about six times the fp32 step's time per el
 The C kernel decodes each 256-element block into a stack buffer, updates it and encodes it while it
 is in L1, in one pass over the state (``tools/bench_offload.py --only formats`` measures both).
 
-Build: the one C file, with the system C compiler (``$CC``, else ``cc``) and ``-march=native``, into
-``$INFINITY_CACHE``, else the user cache (``$XDG_CACHE_HOME/infinity``, else ``~/.cache/infinity``),
-under a name that hashes the source, the command and the machine's CPU flags, so a cache shared
-between machines keeps one build per kind of CPU. Ranks that start together may build at once: each
-writes its own temporary file and renames it into place, so the library loaded is always whole. A
-cached library that does not load (truncated, say) is built again once. About a second, once per
-machine.
+Build: the one C file, with the system C compiler (``$CC``, else ``cc``) and ``-march=native``, cached
+per kind of CPU by :func:`infinity.native_build.load_library` (``$INFINITY_CACHE``, else
+``~/.cache/infinity``). About a second, once per machine.
 
 Without a compiler, when the build fails, or with ``INFINITY_NATIVE=0``, :func:`kernel` returns None
 and the torch path runs (a one-line warning says why, once). Both give the same codes, scales and
@@ -23,14 +19,13 @@ kernel uses fused multiply-adds).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import shlex
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from infinity.native_build import cpu_flags, load_library
 
 __all__ = ["kernel", "native_reason"]
 
@@ -72,61 +67,10 @@ def _load():
     """``(function, None)``, or ``(None, why not)``."""
     if os.environ.get("INFINITY_NATIVE", "1") == "0":
         return None, "INFINITY_NATIVE=0"
-    compiler = shlex.split(os.environ.get("CC", "cc"))
-    command = [*compiler, *_FLAGS]
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), " ".join(command).encode(), _cpu_flags()])).hexdigest()
-    cache = Path(os.environ.get("INFINITY_CACHE") or
-                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "infinity")
-    library = cache / f"adamw_int8-{key[:16]}.so"
-    for attempt in range(2):
-        if not library.exists():
-            why = _build(command, library)
-            if why is not None:
-                return None, why
-        try:
-            fn = ctypes.CDLL(str(library)).infinity_adamw_int8
-        except (OSError, AttributeError) as e:
-            if attempt == 0:   # a damaged cached build: build it again, once
-                library.unlink(missing_ok=True)
-                continue
-            return None, f"cannot load {library}: {e}"
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-        return fn, None
-
-
-def _build(command: list, library: Path) -> str | None:
-    """Compile the kernel into ``library`` (through a temporary file renamed into place); why not, or
-    None."""
-    cache = library.parent
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache, prefix=library.stem, suffix=".tmp")
-        os.close(fd)
-    except OSError as e:
-        return f"cannot build {_SOURCE.name} in {cache}: {e}"
-    try:
-        done = subprocess.run([*command, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            return f"{command[0]} failed to build {_SOURCE.name}: {first}"
-        os.replace(tmp, library)
-        return None
-    except FileNotFoundError:
-        return f"no C compiler {command[0]!r} (set CC)"
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"cannot build {_SOURCE.name} in {cache}: {e}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (what ``-march=native`` builds for), or b"" where not on Linux."""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith((b"flags", b"Features")):
-                    return line
-    except OSError:
-        pass
-    return b""
+    command = [*shlex.split(os.environ.get("CC", "cc")), *_FLAGS]
+    lib, why = load_library(_SOURCE, command, depends=cpu_flags(), symbols=("infinity_adamw_int8",))
+    if lib is None:
+        return None, why
+    fn = lib.infinity_adamw_int8
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return fn, None
