@@ -307,6 +307,11 @@ class TiersConfig:
         "and RSS stays near the budgets (process-wide mallopt); smaller returns more at more page faults; "
         "auto = 4MiB when anything is offloaded and the environment sets no MALLOC_MMAP_THRESHOLD_, else untouched; "
         "off = glibc's default (raised as blocks are freed)")
+    host_cache_bytes: Any = _f(
+        "auto", _size_or_auto, "freed host blocks at or above the mmap threshold kept for reuse, up to this many "
+        "bytes, instead of unmapped (process-wide: torch's CPU allocator; a step makes the same big temporaries "
+        "every layer, and a fresh block's pages fault and are zeroed on first write); counted in RSS beside the "
+        "budgets; auto = 512MiB when tiers.malloc_mmap_threshold fixes a threshold, else 0; 0 = off")
 
 
 @dataclass(frozen=True)

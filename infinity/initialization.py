@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from datetime import timedelta
@@ -11,16 +12,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
-from infinity.store.host_malloc import fix_mmap_threshold, mmap_threshold
+from infinity.store import host_cache
+from infinity.store.host_malloc import GLIBC_MAX_MMAP_THRESHOLD, fix_mmap_threshold, mmap_threshold
 from infinity.comm import watchdog
 from infinity.comm.collectives import Collectives, LocalCollectives
 from infinity.zero.engine import ZeroEngine
 from infinity.zero.materialize import is_meta_model, materialize_steps
 from infinity.parallel.mesh import build_mesh
 from infinity.zero.optimizer import ZeroAdamW
+from infinity.zero.placement import Placement
 from infinity.parallel.tensor_parallel import TensorParallel, apply_plan
 from infinity.parallel.plans import default_plan
 from infinity.zero.units import choose_unit_modules
+
+log = logging.getLogger(__name__)
 
 __all__ = ["initialize", "engine_of"]
 
@@ -109,14 +114,18 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
 
 
 def _bound_host_heap(cfg: Config) -> None:
-    """``tiers.malloc_mmap_threshold`` (see :mod:`infinity.store.host_malloc`)."""
+    """``tiers.malloc_mmap_threshold`` and ``tiers.host_cache_bytes`` (see :mod:`infinity.store.host_malloc`
+    and :mod:`infinity.store.host_cache`)."""
     setting = cfg.tiers.malloc_mmap_threshold
-    offloaded = any(v != "none" for v in (cfg.offload.optimizer, cfg.offload.params, cfg.offload.grads))
+    offloaded = Placement.from_config(cfg).any_offload
     threshold = mmap_threshold(setting, offloaded)
     # auto leaves a threshold the environment already fixed (glibc reads MALLOC_MMAP_THRESHOLD_ at start)
-    if threshold is None or (setting == "auto" and "MALLOC_MMAP_THRESHOLD_" in os.environ):
-        return
-    fix_mmap_threshold(threshold)
+    if threshold is not None and not (setting == "auto" and "MALLOC_MMAP_THRESHOLD_" in os.environ):
+        fix_mmap_threshold(threshold)
+    why = host_cache.configure(threshold or GLIBC_MAX_MMAP_THRESHOLD, host_cache.cap_of(cfg.tiers, offloaded))
+    if why is not None:
+        log.warning("infinity: tiers.host_cache_bytes: no host block cache, large temporaries are fresh memory "
+                    "each time (%s)", why)
 
 
 def engine_of(model: nn.Module) -> ZeroEngine:

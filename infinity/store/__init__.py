@@ -4,7 +4,7 @@
 moves them asynchronously (futures), tracks every copy's :class:`Residency`
 with checked transitions, and keeps each tier within its byte budget by
 evicting clean copies chosen by an :class:`EvictionPolicy`. Imports only
-``infinity.config`` and ``infinity.io``.
+``infinity.config``, ``infinity.io`` and the leaf ``infinity.native_build``.
 """
 
 from infinity.store.budget import BudgetError, resolve_budgets

@@ -13,7 +13,9 @@ few % of step time at 4 MiB, ~20% at 128 KiB), blocks below it stay in the heap.
 
 A block above the threshold is fresh memory each time it is made: its first writes fault and zero
 its pages (measured here: a copy into a fresh 64 MiB block at ~2 GB/s against ~8.5 GB/s into one
-already touched), which :mod:`infinity.plan.cost` prices from the profile's ``memcpy.fresh_gbps``.
+already touched), which :mod:`infinity.plan.cost` prices from the profile's ``memcpy.fresh_gbps`` -
+unless :mod:`infinity.store.host_cache`, on beside a fixed threshold, keeps freed blocks for reuse
+(torch's tensors only; up to its cap).
 
 Process-wide, like any ``mallopt``; a no-op where the C library is not glibc.
 """

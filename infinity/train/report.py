@@ -198,7 +198,8 @@ def memory_line(mem: dict) -> str:
     parts = [f"{name} {size(key)}" for name, key in (
         ("baseline", "baseline_rss_bytes"), ("store host", "store_host_bytes"), ("store device", "store_device_bytes"),
         ("gathered params", "gathered_params_bytes"), ("grad buffers", "grad_buffers_bytes"),
-        ("resident state", "resident_bytes"), ("activations", "activation_bytes"), ("other", "other_bytes"))]
+        ("resident state", "resident_bytes"), ("host cache", "host_cache_bytes"), ("activations", "activation_bytes"),
+        ("other", "other_bytes"))]
     return f"peak RSS {size('peak_rss_bytes')} ({mem['peak_rss_source']}): " + ", ".join(parts)
 
 

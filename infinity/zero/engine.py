@@ -66,7 +66,7 @@ from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import remainder_of
 from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
-from infinity.store import TensorStore
+from infinity.store import TensorStore, host_cache
 from infinity.store.budget import DeviceHeadroom, resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
@@ -583,15 +583,16 @@ class ZeroEngine:
         return sum(u.padded_numel for u in self.units)
 
     def close(self) -> None:
-        """Remove the hooks, stop the update's threads, close the store (its swap file is removed).
-        Every part is closed even if one raises; the first error is raised after. Idempotent."""
+        """Remove the hooks, stop the update's threads, close the store (its swap file is removed), unmap
+        what the host block cache kept (:mod:`infinity.store.host_cache`). Every part is closed even if one raises; the first error is raised after. Idempotent."""
         if self._closed:
             return
         self._closed = True
         errors = []
         update, gathers = getattr(self, "update", None), getattr(self, "gathers", None)
         for part in filter(None, (update and update.settle, self._remove_hooks, self._finish_folds,
-                                    getattr(self, "_finalizer", None), gathers and gathers.buffers.trim)):
+                                    getattr(self, "_finalizer", None), gathers and gathers.buffers.trim,
+                                    host_cache.trim)):   # the cache's blocks back to the OS too
             try:
                 part()
             except BaseException as e:   # noqa: BLE001 - the rest must still close

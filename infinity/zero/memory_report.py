@@ -29,10 +29,12 @@ grad_buffers_bytes      full gradients waiting for reduction and reduction outpu
 resident_bytes          model state in engine memory when the step ended: shards not in the
                         store, stages 0-2's full parameters, stages 0-1's gradient arena, hpZ's
                         secondary shards (``engine.resident_bytes()`` without the store)
+host_cache_bytes        freed large blocks :mod:`~infinity.store.host_cache` kept for reuse, peak
+                        (host RAM on any device; 0 when the cache is off)
 activation_bytes        tensors autograd saved in the model's forward, peak (unique storages;
                         parameters excluded); None: ``enable(activations=False)``
 accounted_bytes         baseline + the parts above that live in host RAM (on CUDA only the
-                        store's host buffers; the rest is device memory)
+                        store's host buffers and the host cache; the rest is device memory)
 other_bytes             ``peak_rss_bytes - accounted_bytes``: allocator slack, autograd's
                         transient gradients and temporaries, the optimizer's fp32 scratch,
                         torch's runtime growth; None when the peak is unknown
@@ -71,6 +73,8 @@ import threading
 
 import psutil
 import torch
+
+from infinity.store import host_cache
 
 __all__ = ["StepMemory", "SavedTensorMeter", "rss_bytes", "reset_peak_rss", "read_peak_rss", "warm_torch",
            "take_device_peak"]
@@ -278,13 +282,14 @@ class StepMemory:
             "gathered_params_bytes": gathered_params_bytes,
             "grad_buffers_bytes": self.grads.take_buffer_peak(),
             "resident_bytes": resident_bytes,
+            "host_cache_bytes": host_cache.take_peak_bytes(),
             "activation_bytes": self.meter.take_peak() if self.meter is not None else None,
             "device_is_host": on_host,
         }
         out["device_peak_bytes"], out["device_reserved_bytes"] = take_device_peak(self.device)
         parts = ("store_device_bytes", "gathered_params_bytes", "grad_buffers_bytes", "resident_bytes",
                  "activation_bytes") if on_host else ()
-        out["accounted_bytes"] = self.baseline_rss_bytes + sum(out[k] or 0 for k in ("store_host_bytes",) + parts)
+        out["accounted_bytes"] = self.baseline_rss_bytes + sum(out[k] or 0 for k in ("store_host_bytes", "host_cache_bytes") + parts)
         out["other_bytes"] = peak - out["accounted_bytes"] if peak is not None else None
         self.last = out
 

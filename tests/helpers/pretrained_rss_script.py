@@ -37,14 +37,16 @@ def status(key):
 
 
 HOST_BYTES = 224 * 2**20   # about the least a step of this model needs (initialize refuses less)
+CACHE_BYTES = 64 * 2**20   # the host block cache keeps freed blocks up to this (infinity.store.host_cache)
 unit_bytes = 12 * n_embd * n_embd * 4   # one block's fp32 weights, about: the unit being materialized
 before = status("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")          # reset VmHWM: the peak below is the loading's own
 config = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
-          "tiers": {"nvme_path": swap, "host_bytes": HOST_BYTES}}
+          "tiers": {"nvme_path": swap, "host_bytes": HOST_BYTES, "host_cache_bytes": CACHE_BYTES}}
 model, optimizer = initialize_pretrained(path, config)
 peak = status("VmHWM:")
 infinity.engine_of(model).close()
-print(json.dumps({"state_bytes": state_bytes, "host_bytes": HOST_BYTES, "unit_bytes": unit_bytes, "rss_before": before, "peak": peak, "growth": peak - before,
+print(json.dumps({"state_bytes": state_bytes, "host_bytes": HOST_BYTES, "cache_bytes": CACHE_BYTES,
+                  "unit_bytes": unit_bytes, "rss_before": before, "peak": peak, "growth": peak - before,
                   "files": len([f for f in os.listdir(path) if f.endswith(".safetensors")])}))

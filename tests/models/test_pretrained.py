@@ -97,8 +97,9 @@ def test_bad_directories_are_named(tmp_path):
 def test_loading_peak_rss_is_a_fraction_of_the_weights(tmp_path):
     """150M parameters (609 MB of fp32 in 12 files), everything on NVMe: loading grows RSS by no more than the
     host budget (the store's cache of registered shards) plus two units' fp32 weights (the unit being filled
-    and its shards on the way), one unit at a time, each file unmapped after use; that bound is well under the
-    weights, so the state dict is never in memory."""
+    and its shards on the way), one unit at a time, each file unmapped after use, plus the freed blocks the
+    host block cache may keep (its cap, 64 MiB here); that bound is well under the weights, so the state dict
+    is never in memory."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "pretrained_rss_script.py"), str(tmp_path / "m"),
                           str(tmp_path / "swap"), "12", "1024"], env=env, capture_output=True, text=True, timeout=300)
@@ -107,4 +108,4 @@ def test_loading_peak_rss_is_a_fraction_of_the_weights(tmp_path):
     assert r["files"] >= 5 and r["state_bytes"] > 600e6
     bound = r["host_bytes"] + 2 * r["unit_bytes"]
     assert r["state_bytes"] > 1.75 * bound, r   # the model is big enough for the bound to mean something
-    assert r["growth"] < bound, r
+    assert r["growth"] < bound + r["cache_bytes"], r

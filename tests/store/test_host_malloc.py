@@ -30,7 +30,8 @@ CHILD = textwrap.dedent("""
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     conf = {"zero": {"stage": 1}, "offload": {"optimizer": "nvme"},
-            "tiers": {"nvme_path": sys.argv[1], "malloc_mmap_threshold": sys.argv[2]}}
+            "tiers": {"nvme_path": sys.argv[1], "malloc_mmap_threshold": sys.argv[2],
+                      "host_cache_bytes": 0}}   # the threshold alone (the cache: test_host_cache.py)
     model, opt = infinity.initialize(model, conf)
     n = 24 * 2**20 // 4
     before = rss()
