@@ -49,6 +49,7 @@ import ctypes
 import itertools
 import json
 import math
+import mmap
 import os
 import platform
 import shutil
@@ -212,10 +213,11 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
 
 def measure_memcpy(nbytes: int, repeats: int = 3) -> dict:
     """Host copies: into memory already touched (``gbps``, ``single_thread_gbps``: page faults not timed)
-    and into a block allocated for the copy (``fresh_gbps``: its pages faulted in and zeroed by the
+    and into a block mapped for the copy (``fresh_gbps``: its pages faulted in and zeroed by the
     kernel as the copy first writes them, what a new tensor above the mmap threshold costs; see
-    :mod:`infinity.store.host_malloc`), at least :data:`FRESH_BYTES` so glibc maps it whatever its
-    threshold."""
+    :mod:`infinity.store.host_malloc`), at least :data:`FRESH_BYTES`. The block is an anonymous mapping of
+    its own, not an allocation: whatever reuses freed blocks (glibc's heap under a raised threshold,
+    :mod:`infinity.store.host_cache`) would hand back touched memory."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros(nbytes, dtype=torch.uint8)  # both written first: page faults are not timed
     torch_s = _best_s(lambda: dst.copy_(src), repeats)
@@ -223,10 +225,19 @@ def measure_memcpy(nbytes: int, repeats: int = 3) -> dict:
     del dst
     fresh_n = max(nbytes, FRESH_BYTES)
     fresh_src = src if fresh_n == nbytes else torch.ones(fresh_n, dtype=torch.uint8)
-    fresh_s = _best_s(lambda: torch.empty(fresh_n, dtype=torch.uint8).copy_(fresh_src), repeats)
+    fresh_s = _best_s(lambda: _copy_into_fresh(fresh_src), repeats)
     return {"bytes": nbytes, "threads": torch.get_num_threads(),
             "gbps": nbytes / torch_s / 1e9, "single_thread_gbps": nbytes / libc_s / 1e9,
             "fresh_bytes": fresh_n, "fresh_gbps": fresh_n / fresh_s / 1e9}
+
+
+def _copy_into_fresh(src: torch.Tensor) -> None:
+    """``src`` copied into a new anonymous mapping of its size (unmapped after)."""
+    block = mmap.mmap(-1, src.numel())
+    dst = torch.frombuffer(block, dtype=torch.uint8)
+    dst.copy_(src)
+    del dst
+    block.close()
 
 
 def measure_host_device(nbytes: int, repeats: int = 3) -> dict:

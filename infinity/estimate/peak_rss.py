@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from infinity.config import Config, format_size
-from infinity.store import Tier
+from infinity.store import Tier, host_cache
 from infinity.store.budget import resolve_budgets
 from infinity.zero.engine import DTYPES
 from infinity.zero.grads import MAX_INFLIGHT
@@ -51,6 +51,7 @@ class RssBound:
     resident_bytes: int
     activation_bytes: int
     slack_bytes: int
+    host_cache_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -69,7 +70,7 @@ class RssBound:
 
 def predict_peak_rss(baseline_bytes: int, units: list, placement: Placement, stage: int, param_itemsize: int,
                      reduce_itemsize: int, budgets: dict, device_is_host: bool, max_live_bytes: int,
-                     activation_bytes: int, largest_param_numel: int) -> RssBound:
+                     activation_bytes: int, largest_param_numel: int, host_cache_bytes: int = 0) -> RssBound:
     """An upper bound on one rank's peak RSS while it trains, term by term.
 
     - ``baseline``: the process's RSS before ``initialize`` (interpreter, torch, the model on meta), with
@@ -97,6 +98,9 @@ def predict_peak_rss(baseline_bytes: int, units: list, placement: Placement, sta
       back to the OS: glibc does so above its mmap threshold, which by default rises to the size of
       each freed block (up to 32 MiB), after which unit-sized buffers stay in its heap. Fix it
       (``MALLOC_MMAP_THRESHOLD_=131072``) for the bound to hold with units of a few MiB or more.
+    - ``host_cache``: the cap of :mod:`~infinity.store.host_cache` (``tiers.host_cache_bytes``): freed
+      blocks above the threshold it keeps for reuse; in a step of many big temporaries it is full at the
+      peak. Host RAM on any device.
 
     ``budgets``: ``{Tier.HOST: bytes, Tier.DEVICE: bytes}`` (resolved, as ``initialize`` resolves them);
     ``largest_param_numel``: the most elements of any one parameter.
@@ -118,7 +122,8 @@ def predict_peak_rss(baseline_bytes: int, units: list, placement: Placement, sta
     if not device_is_host:
         gathered, grads, resident, activation_bytes = 0, 0, 0, 0
     slack = SLACK_FIXED_BYTES + int(SLACK_FRACTION * (gathered + grads + activation_bytes))
-    return RssBound(baseline_bytes, host_tier, device_tier, gathered, grads, resident, activation_bytes, slack)
+    return RssBound(baseline_bytes, host_tier, device_tier, gathered, grads, resident, activation_bytes, slack,
+                    host_cache_bytes)
 
 
 def _resident_bytes(units: list, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
@@ -189,7 +194,8 @@ def bound_for_model(build, config: Config, world_size: int = 1, forward=None,
     activations = meta_activation_bytes(model, forward) if forward is not None else 0
     bound = predict_peak_rss(baseline, units, Placement.from_config(config), stage, param_dtype.itemsize,
                              reduce_dtype.itemsize, resolve_budgets(config.tiers, device), device.type == "cpu",
-                             max_live, activations, max(p.numel() for p in params))
+                             max_live, activations, max(p.numel() for p in params),
+                             host_cache.cap_of(config.tiers, Placement.from_config(config).any_offload))
     return bound, min_budgets(units, config)
 
 

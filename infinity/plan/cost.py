@@ -37,8 +37,9 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 - unattributed: host copies the engine makes itself (gradient folding into flat buffers, store
   copies between tiers) at the memcpy rate; at stages 2-3 on a CPU device each unit's full gradient
   is a new block, fresh memory where it is above the mmap threshold
-  (:func:`infinity.store.host_malloc.mmap_threshold`), so its first copies run at the profile's
-  fresh-memory rate (their page faults and zeroing).
+  (:func:`infinity.store.host_malloc.mmap_threshold`) and larger than the host block cache keeps
+  (:mod:`infinity.store.host_cache`), so its first copies run at the profile's fresh-memory rate
+  (their page faults and zeroing).
 
 Peak RSS is :func:`infinity.estimate.peak_rss.predict_peak_rss`'s terms (the bound ``infinity estimate``
 prints, kept as ``rss_bound``) with the store's tiers at the occupancy the engine reaches instead of
@@ -52,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from infinity.config import Config
 from infinity.plan.rates import adam_mode
 from infinity.estimate.peak_rss import RssBound, predict_peak_rss
-from infinity.store import Tier
+from infinity.store import Tier, host_cache
 from infinity.store.host_malloc import GLIBC_MAX_MMAP_THRESHOLD, mmap_threshold
 from infinity.zero.engine import DTYPES
 from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, chunk_bounds
@@ -217,13 +218,16 @@ def _comm_s(layout: Layout, config: Config, world: int, rates) -> dict:
 
 def _fresh_grad_bytes(units, config: Config, placement: Placement, r_size: int) -> int:
     """Bytes of the stage 2-3 full gradients backward makes new on the host each step (each unit's,
-    :meth:`infinity.zero.grads.GradReducer._new_full_grad`) that glibc maps fresh rather than reuses:
-    those at or above the mmap threshold."""
+    :meth:`infinity.zero.grads.GradReducer._new_full_grad`) that are mapped fresh rather than reused:
+    those at or above the mmap threshold, less those the host block cache keeps for the next unit (one
+    no larger than its cap, :mod:`infinity.store.host_cache`)."""
     if StagePolicy.of(config.zero.stage).grads_in_arena:
         return 0
     threshold = mmap_threshold(config.tiers.malloc_mmap_threshold, placement.any_offload)
     threshold = GLIBC_MAX_MMAP_THRESHOLD if threshold is None else threshold
-    return sum(u.padded_numel * r_size for u in units if u.padded_numel * r_size >= threshold)
+    cap = host_cache.cap_of(config.tiers, placement.any_offload)
+    return sum(u.padded_numel * r_size for u in units if threshold <= u.padded_numel * r_size and
+               u.padded_numel * r_size > cap)
 
 
 def predict(layout: Layout, config: Config, compute, rates, world: int, budgets: dict,
@@ -326,7 +330,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
     activations = layout.activation_bytes[checkpointing]
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
-                             device_is_host, max_live_bytes, activations, layout.largest_param_numel)
+                             device_is_host, max_live_bytes, activations, layout.largest_param_numel,
+                             host_cache.cap_of(config.tiers, placement.any_offload))
     rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
                         layout.largest_param_numel)
     moved = dict(traffic["moved"])

@@ -24,7 +24,8 @@ HOSTS = ("16MiB", "32MiB", "64MiB")
 MIB = 2**20
 TERMS = {"store_host_bytes": "host_tier_bytes", "store_device_bytes": "device_tier_bytes",
          "gathered_params_bytes": "gathered_params_bytes", "grad_buffers_bytes": "grad_buffers_bytes",
-         "activation_bytes": "activation_bytes", "resident_bytes": "resident_bytes"}
+         "activation_bytes": "activation_bytes", "resident_bytes": "resident_bytes",
+         "host_cache_bytes": "host_cache_bytes"}
 
 
 def test_peak_rss_within_the_predicted_bound_at_three_host_budgets(tmp_path):

@@ -246,10 +246,11 @@ def test_the_update_during_the_next_forward_hides_behind_forward_and_waits_there
 def test_new_gradient_blocks_above_the_mmap_threshold_are_priced_at_the_fresh_memory_rate(tmp_path):
     """Stages 2-3 on a CPU device make each unit's full gradient anew: the blocks at or above the mmap
     threshold the config fixes cost the profile's fresh-memory copy rate in backward's unattributed time;
-    a profile without that figure prices them at memcpy and says so; stage 1 folds into its arena."""
+    a profile without that figure prices them at memcpy and says so; stage 1 folds into its arena; the host
+    block cache takes the blocks no larger than its cap off the bill."""
     from infinity.plan.planner import model_layout
-    low = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "4KiB"})
-    high = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "32MiB"})
+    low = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "4KiB", "host_cache_bytes": 0})
+    high = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "32MiB", "host_cache_bytes": 0})
     layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
     fresh = sum(u.padded_numel * 2 for u in layout.units if u.padded_numel * 2 >= 4096)
     assert fresh > 0
@@ -264,6 +265,15 @@ def test_new_gradient_blocks_above_the_mmap_threshold_are_priced_at_the_fresh_me
     assert any("no fresh-memory copy rate" in n for n in old.notes)
     stage1 = low.replace(zero={"stage": 1}, offload={"params": "none", "grads": "none"})
     assert unattributed(stage1, slow) == pytest.approx(unattributed(stage1, rates()))
+    blocks = sorted(u.padded_numel * 2 for u in layout.units if u.padded_numel * 2 >= 4096)
+    assert blocks[0] < blocks[-1]
+    cap = blocks[0]   # keeps the smallest blocks, not the largest
+    part = low.replace(tiers={"host_cache_bytes": cap})
+    beyond = sum(b for b in blocks if b > cap)
+    assert 0 < beyond < fresh
+    assert unattributed(part, slow) - unattributed(high, slow) == pytest.approx(beyond / 0.1e9 - beyond / 8e9)
+    assert unattributed(low.replace(tiers={"host_cache_bytes": "auto"}), slow) == pytest.approx(
+        unattributed(high, slow))   # auto's 512 MiB keeps every block of this model
 
 
 def test_the_planner_chooses_where_the_update_overlaps_and_follows_clipping(tmp_path):
