@@ -61,7 +61,7 @@ def test_quick_json_has_every_section_with_positive_values(quick):
         raw = next(r for r in nvme["raw"]["rows"]
                    if (r["block_bytes"], r["threads"]) == (row["block_bytes"], row["threads"]))
         assert row["raw_read_gbps"] == raw["read_gbps"] and row["read_ratio"] == row["read_gbps"] / raw["read_gbps"]
-    assert len(nvme["raw"]["rows"]) == 4 and nvme["raw"]["mode"] == nvme["mode"]
+    assert len(nvme["raw"]["rows"]) == 5 and nvme["raw"]["mode"] == nvme["mode"]
     mixed, io = nvme["mixed"], p["io"]
     assert (mixed["block_bytes"], mixed["threads"], mixed["queue_depth"]) == (
         io["block_bytes"], io["threads"], io["queue_depth"])
