@@ -122,7 +122,8 @@ def _bound_host_heap(cfg: Config) -> None:
     # auto leaves a threshold the environment already fixed (glibc reads MALLOC_MMAP_THRESHOLD_ at start)
     if threshold is not None and not (setting == "auto" and "MALLOC_MMAP_THRESHOLD_" in os.environ):
         fix_mmap_threshold(threshold)
-    why = host_cache.configure(threshold or GLIBC_MAX_MMAP_THRESHOLD, host_cache.cap_of(cfg.tiers, offloaded))
+    why = host_cache.configure(threshold or GLIBC_MAX_MMAP_THRESHOLD,
+                               host_cache.cache_bytes(cfg.tiers.host_cache_bytes, threshold))
     if why is not None:
         log.warning("infinity: tiers.host_cache_bytes: no host block cache, large temporaries are fresh memory "
                     "each time (%s)", why)
