@@ -22,6 +22,7 @@ at the micro-batch ``plan.tokens`` names.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import yaml
 from infinity.config import ConfigError, parse_size
 from infinity.plan.planner import Plan, PlanRequest, describe, make_plan
 from infinity.plan.rates import PlanInputError, Rates, load_profile, measure_compute
+from infinity.store.host_malloc import release_free_heap
 
 __all__ = ["AUTO", "wants_auto", "read_auto", "rates_for", "run_plan", "plan_request", "plan_for_module",
            "PLAN_KEYS"]
@@ -130,9 +132,13 @@ def plan_request(request: PlanRequest, profile: str | None, directory: str | Non
     """The rates (:func:`rates_for`: ``profile``, or a quick one measured now in ``directory``), then the plan
     (:func:`run_plan`), leaving the caller's random stream as it found it: the quick profile and the compute
     timing draw data and weights, and a model built on meta is materialized after planning, so its seeded
-    init must not depend on whether its config was planned."""
+    init must not depend on whether its config was planned. What they freed is then given back to the OS
+    (:func:`~infinity.store.host_malloc.release_free_heap`), as the plan's baseline RSS assumes."""
     with torch.random.fork_rng(devices=[]):
-        return run_plan(request, rates_for(profile, directory, nproc, say))
+        plan = run_plan(request, rates_for(profile, directory, nproc, say))
+    gc.collect()
+    release_free_heap()   # the profile's and the timing's freed blocks: not the training run's baseline
+    return plan
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

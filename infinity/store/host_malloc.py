@@ -26,7 +26,7 @@ import ctypes
 import ctypes.util
 import functools
 
-__all__ = ["fix_mmap_threshold", "mmap_threshold", "AUTO_MMAP_THRESHOLD", "GLIBC_MAX_MMAP_THRESHOLD"]
+__all__ = ["fix_mmap_threshold", "release_free_heap", "mmap_threshold", "AUTO_MMAP_THRESHOLD", "GLIBC_MAX_MMAP_THRESHOLD"]
 
 _M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter number (malloc.h)
 AUTO_MMAP_THRESHOLD = 4 * 2**20        # tiers.malloc_mmap_threshold: auto, with anything offloaded (module doc)
@@ -58,3 +58,14 @@ def fix_mmap_threshold(nbytes: int) -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(int(nbytes))))
+
+
+def release_free_heap() -> bool:
+    """Give the free pages of glibc's heaps back to the OS (``malloc_trim(0)``). Work that allocates and
+    frees many blocks below the mmap threshold before training starts (``auto``'s quick profile and compute
+    timing: 0.7-0.8 GiB left in the arenas at GPT-2 2.7B) would otherwise stay in RSS for the whole run,
+    counted in the engine's baseline. Returns whether anything was released (False: none, or not glibc)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))

@@ -76,3 +76,51 @@ def test_a_threshold_glibc_cannot_take_is_refused_naming_the_key():
         with pytest.raises(ConfigError, match="tiers.malloc_mmap_threshold"):
             Config.load({"tiers": {"malloc_mmap_threshold": bad}})
     assert Config.load({"tiers": {"malloc_mmap_threshold": "1MiB"}}).tiers.malloc_mmap_threshold == 2**20
+
+
+TRIM_CHILD = textwrap.dedent("""
+    import json
+    import torch
+    from infinity.store.host_malloc import release_free_heap
+
+    def rss():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    blocks = [torch.ones(8192) for _ in range(12000)]    # 32 KiB each, 375 MiB: heap blocks, below any threshold
+    keep = blocks[::16]                                  # every 16th stays: the heap cannot shrink from its top
+    del blocks
+    kept = rss() - before
+    released = release_free_heap()
+    print(json.dumps({"kept": kept, "after_release": rss() - before, "released": released, "alive": len(keep)}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and /proc")
+def test_release_free_heap_gives_fragmented_free_pages_back(tmp_path):
+    """What ``auto``'s planning frees below the mmap threshold stays in the heaps (and in the engine's baseline
+    RSS) until :func:`release_free_heap`: a heap held up by every 16th block keeps almost all of its free pages;
+    after the release only the live blocks' pages (1/16 of them) and the torn ends remain."""
+    script = tmp_path / "trim.py"
+    script.write_text(TRIM_CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    mib = 2**20
+    assert r["kept"] > 300 * mib, f"the freed blocks left the heap before the release: {r}"
+    assert r["released"] is True, r
+    assert r["after_release"] < 60 * mib, f"release_free_heap left the free pages in RSS: {r}"
+
+
+def test_planning_releases_what_it_freed(monkeypatch):
+    """``plan_request`` gives back the quick profile's and the compute timing's freed heap after planning."""
+    import infinity.plan.auto as auto
+
+    order = []
+    monkeypatch.setattr(auto, "rates_for", lambda *a, **k: order.append("rates") or "rates")
+    monkeypatch.setattr(auto, "run_plan", lambda request, rates: order.append("plan") or "plan")
+    monkeypatch.setattr(auto, "release_free_heap", lambda: order.append("release") or True)
+    assert auto.plan_request(None, None, None, 1) == "plan"
+    assert order == ["rates", "plan", "release"]
