@@ -19,9 +19,37 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["load_library", "cache_dir", "cpu_flags"]
+__all__ = ["LazyLibrary", "load_library", "cache_dir", "cpu_flags"]
+
+
+class LazyLibrary:
+    """What ``load()`` returns (``(value, None)`` or ``(None, why not)``), asked for once, at first
+    :meth:`get`, by one thread while the others wait; ``INFINITY_NATIVE=0`` loads nothing (the reason
+    says so). ``on_missing(why)`` is called once when the load gives None."""
+
+    def __init__(self, load: Callable[[], tuple], on_missing: Callable[[str], None] | None = None):
+        self._load, self._on_missing = load, on_missing
+        self._lock = threading.Lock()
+        self.loaded = False    # whether the load has been tried
+        self.value = None      # what it gave (None until then, or when it failed)
+        self.reason = None     # why value is None after the load
+
+    def get(self):
+        if not self.loaded:
+            with self._lock:
+                if not self.loaded:
+                    if os.environ.get("INFINITY_NATIVE", "1") == "0":
+                        value, reason = None, "INFINITY_NATIVE=0"
+                    else:
+                        value, reason = self._load()
+                    self.value, self.reason, self.loaded = value, reason, True
+                    if value is None and self._on_missing is not None:
+                        self._on_missing(reason)
+        return self.value
 
 
 def cache_dir() -> Path:

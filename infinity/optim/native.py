@@ -22,10 +22,9 @@ import ctypes
 import logging
 import os
 import shlex
-import threading
 from pathlib import Path
 
-from infinity.native_build import cpu_flags, load_library
+from infinity.native_build import LazyLibrary, cpu_flags, load_library
 
 __all__ = ["kernel", "native_reason"]
 
@@ -41,32 +40,19 @@ _ARGTYPES = (
 )
 
 log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_loaded: dict = {}   # "fn": the kernel or None, "reason": why None
-
-
 def kernel():
     """The ctypes function ``infinity_adamw_int8``, or None where it cannot be had (see
     :func:`native_reason`)."""
-    if "fn" not in _loaded:
-        with _lock:
-            if "fn" not in _loaded:
-                _loaded["fn"], _loaded["reason"] = _load()
-                if _loaded["fn"] is None:
-                    log.warning("infinity: int8 moments use the torch path (about 5x slower per element): %s",
-                                _loaded["reason"])
-    return _loaded["fn"]
+    return _KERNEL.get()
 
 
 def native_reason() -> str | None:
     """Why :func:`kernel` is None (None when it is not, or not yet asked)."""
-    return _loaded.get("reason")
+    return _KERNEL.reason
 
 
 def _load():
     """``(function, None)``, or ``(None, why not)``."""
-    if os.environ.get("INFINITY_NATIVE", "1") == "0":
-        return None, "INFINITY_NATIVE=0"
     command = [*shlex.split(os.environ.get("CC", "cc")), *_FLAGS]
     lib, why = load_library(_SOURCE, command, depends=cpu_flags(), symbols=("infinity_adamw_int8",))
     if lib is None:
@@ -74,3 +60,10 @@ def _load():
     fn = lib.infinity_adamw_int8
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     return fn, None
+
+
+def _say_torch_path(why: str) -> None:
+    log.warning("infinity: int8 moments use the torch path (about 5x slower per element): %s", why)
+
+
+_KERNEL = LazyLibrary(_load, _say_torch_path)

@@ -28,12 +28,11 @@ from __future__ import annotations
 import ctypes
 import os
 import shlex
-import threading
 from pathlib import Path
 
 import torch
 
-from infinity.native_build import load_library
+from infinity.native_build import LazyLibrary, load_library
 from infinity.store.host_malloc import mmap_threshold
 
 __all__ = ["configure", "trim", "stats", "take_peak_bytes", "cache_bytes", "cap_of", "AUTO_CACHE_BYTES"]
@@ -42,21 +41,7 @@ _SOURCE = Path(__file__).with_name("host_cache.cpp")
 # tiers.host_cache_bytes: auto, with anything offloaded: about two layers' temporaries at 2.7B width
 AUTO_CACHE_BYTES = 512 * 2**20
 _STATS = ("cached_bytes", "in_use_bytes", "hits", "misses", "dropped", "peak_cached_bytes")
-_lock = threading.Lock()
-_loaded: dict = {}   # "lib": the library or None, "reason": why None
-
-
-def _library():
-    if "lib" not in _loaded:
-        with _lock:
-            if "lib" not in _loaded:
-                _loaded["lib"], _loaded["reason"] = _load()
-    return _loaded["lib"]
-
-
 def _load():
-    if os.environ.get("INFINITY_NATIVE", "1") == "0":
-        return None, "INFINITY_NATIVE=0"
     root = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
     command = [*shlex.split(os.environ.get("CXX", "c++")), "-O2", "-std=c++17", "-fPIC", "-shared",
@@ -77,15 +62,18 @@ def _load():
     return lib, None
 
 
+_LIBRARY = LazyLibrary(_load)
+
+
 def configure(min_bytes: int, cap_bytes: int) -> str | None:
     """Cache freed CPU blocks of at least ``min_bytes``, up to ``cap_bytes`` of them (0: off). Returns
     None when done, else why not (the allocator is then unchanged). Turning it off before it was ever on
     builds nothing."""
-    if cap_bytes <= 0 and "lib" not in _loaded:
+    if cap_bytes <= 0 and not _LIBRARY.loaded:
         return None
-    lib = _library()
+    lib = _LIBRARY.get()
     if lib is None:
-        return _loaded["reason"]
+        return _LIBRARY.reason
     if not lib.infinity_host_cache_set(int(min_bytes), max(0, int(cap_bytes))):
         return "torch kept another CPU allocator of higher priority"
     return None
@@ -93,14 +81,14 @@ def configure(min_bytes: int, cap_bytes: int) -> str | None:
 
 def trim(keep_bytes: int = 0) -> int:
     """Unmap cached blocks until at most ``keep_bytes`` stay cached; the bytes unmapped."""
-    lib = _loaded.get("lib")
+    lib = _LIBRARY.value
     return 0 if lib is None else int(lib.infinity_host_cache_trim(int(keep_bytes)))
 
 
 def take_peak_bytes() -> int:
     """The most bytes the cache held at once since the last call (0 where it never ran); the next window
     starts now, from what it holds now."""
-    lib = _loaded.get("lib")
+    lib = _LIBRARY.value
     return 0 if lib is None else int(lib.infinity_host_cache_take_peak())
 
 
@@ -110,7 +98,7 @@ def stats() -> dict:
     fresh), ``dropped`` (blocks unmapped to keep the cap), ``peak_cached_bytes`` (since
     :func:`take_peak_bytes` last ran)."""
     out = (ctypes.c_longlong * len(_STATS))()
-    lib = _loaded.get("lib")
+    lib = _LIBRARY.value
     if lib is not None:
         lib.infinity_host_cache_stats(out)
     return dict(zip(_STATS, (int(v) for v in out)))

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from infinity.native_build import LazyLibrary
 from infinity.optim import native
 from infinity.optim.cpu_adam import CpuAdamW
 from infinity.optim.moment_codes import BLOCK, MOMENT_FORMATS, decode_, scales_of
@@ -166,28 +167,28 @@ def test_an_fp16_gradient_takes_the_torch_path(monkeypatch):
 def test_without_a_compiler_the_reason_is_said_once_and_the_torch_path_runs(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("INFINITY_CACHE", str(tmp_path / "infinity"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     with caplog.at_level(logging.WARNING, logger="infinity.optim.native"):
         assert native.kernel() is None and native.kernel() is None
     assert native.native_reason() == f"no C compiler {str(tmp_path / 'no-such-cc')!r} (set CC)"
     assert len(caplog.records) == 1 and "torch path" in caplog.records[0].getMessage()
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     monkeypatch.setenv("CC", "false")   # a compiler that fails
     assert native.kernel() is None and native.native_reason().startswith("false failed to build adamw_int8.c")
     assert list(tmp_path.glob("infinity/*")) == []   # no half-written library left behind
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     monkeypatch.setenv("INFINITY_NATIVE", "0")
     assert native.kernel() is None and native.native_reason() == "INFINITY_NATIVE=0"
 
 
 def test_a_fresh_cache_builds_the_library_once_and_reuses_it(monkeypatch, tmp_path, compiled):
     monkeypatch.setenv("INFINITY_CACHE", str(tmp_path / "infinity"))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     assert native.kernel() is not None
     built = list((tmp_path / "infinity").iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     assert native.kernel() is not None and built[0].stat().st_mtime_ns == stamp
 
 
@@ -195,7 +196,7 @@ def test_an_unusable_cache_directory_is_named_and_the_torch_path_runs(monkeypatc
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("INFINITY_CACHE", str(blocker / "infinity"))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     assert native.kernel() is None
     assert native.native_reason().startswith(f"cannot build adamw_int8.c in {blocker / 'infinity'}: ")
 
@@ -204,13 +205,13 @@ def test_a_damaged_cached_library_is_built_again(monkeypatch, tmp_path, compiled
     """A cache holding a truncated build under the kernel's name (in a directory this process never loaded
     from: a loaded library must not be rewritten in place) is rebuilt and loads."""
     monkeypatch.setenv("INFINITY_CACHE", str(tmp_path / "good"))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     assert native.kernel() is not None
     (good,) = (tmp_path / "good").iterdir()
     damaged = tmp_path / "damaged" / good.name
     damaged.parent.mkdir()
     damaged.write_bytes(good.read_bytes()[:100])   # truncated, as a full disk would leave it
     monkeypatch.setenv("INFINITY_CACHE", str(damaged.parent))
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_KERNEL", LazyLibrary(native._load, native._say_torch_path))
     assert native.kernel() is not None and native.native_reason() is None
     assert damaged.stat().st_size > 100   # the rebuilt library, not the truncated one
