@@ -40,6 +40,8 @@ _ARGTYPES = (
 )
 
 log = logging.getLogger(__name__)
+
+
 def kernel():
     """The ctypes function ``infinity_adamw_int8``, or None where it cannot be had (see
     :func:`native_reason`)."""

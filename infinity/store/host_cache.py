@@ -41,6 +41,8 @@ _SOURCE = Path(__file__).with_name("host_cache.cpp")
 # tiers.host_cache_bytes: auto, with anything offloaded: about two layers' temporaries at 2.7B width
 AUTO_CACHE_BYTES = 512 * 2**20
 _STATS = ("cached_bytes", "in_use_bytes", "hits", "misses", "dropped", "peak_cached_bytes")
+
+
 def _load():
     root = Path(torch.__file__).parent
     abi = int(torch.compiled_with_cxx11_abi())
