@@ -439,3 +439,39 @@ def test_predictions_within_the_tie_go_to_the_candidate_moving_fewer_disk_bytes(
     far = plan_at(2e7)
     rem = next(c for c in far.alternatives if c.knobs["optimizer.master"] == "remainder")
     assert far.chosen.knobs["optimizer.master"] == "fp32" and rem.step_s > far.chosen.step_s * (1 + TIE)
+
+
+def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
+    """The predicted peak RSS takes each term at the occupancy measured at GPT-2 2.7B, not its bound: stage
+    3's gathered parameters are the root, the unit computing and the whole units prefetch fetches ahead
+    (within max_live); at one rank a unit's full gradient is its own mean (no shard buffer beside it); and
+    the host tier fills to its budget with the parameter shards read from NVMe and kept clean until the
+    backward reads them again."""
+    from infinity.plan.planner import model_layout
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    root = sum(u.padded_numel for u in layout.units if u.is_root) * 2
+    largest = max(u.padded_numel for u in layout.units if not u.is_root) * 2
+    base = _bf16_nvme(tmp_path)
+    for ahead_units in (0, 1, 2):
+        cfg = base.replace(prefetch={"bytes": ahead_units * largest})
+        p = _predict(tmp_path, cfg, rates())
+        assert p.rss.gathered_params_bytes == min(root + largest * (1 + ahead_units), p.rss_bound.gathered_params_bytes)
+        assert p.rss.gathered_params_bytes < p.rss_bound.gathered_params_bytes   # the 1 MiB cap is not reached
+    p = _predict(tmp_path, base, rates())
+    full = max(u.padded_numel for u in layout.units) * 2
+    assert p.rss.grad_buffers_bytes == layout.largest_param_numel * 2 + full   # no second, shard-sized buffer
+    assert p.rss.host_tier_bytes == base.tiers.host_bytes   # parameters read from NVMe fill the cache
+    stage2 = base.replace(zero={"stage": 2}, offload={"params": "none"}, tiers={"host_bytes": "64MiB"})
+    assert _predict(tmp_path, stage2, rates()).rss.host_tier_bytes < 64 * 2**20   # nothing re-read: not filled
+
+
+def test_timing_the_compute_leaves_nothing_of_the_timed_model_alive():
+    """``measure_compute`` frees the model it timed: its forward that only counts the blocks' saved bytes
+    ends in a backward, since an output the graph saves through the meter's pack hook holds its own grad_fn
+    (a cycle gc cannot see), which kept every parameter and activation of the timed model alive."""
+    import gc
+    before = {id(o) for o in gc.get_objects() if type(o) is torch.nn.Parameter}
+    measure_compute(lambda: GPT(GPTConfig(**dict(SHAPE, n_layer=4))), _loss, 2, 32, torch.float32, 512, blocks=2)
+    gc.collect()
+    left = [o for o in gc.get_objects() if type(o) is torch.nn.Parameter and id(o) not in before]
+    assert left == [], f"{len(left)} parameters of the timed model outlived measure_compute"
