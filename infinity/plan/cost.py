@@ -350,11 +350,12 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
     parameters as the forward holds them (the root, the unit computing and the whole units
     ``prefetch.bytes`` fetches ahead, within the cap); the slack recomputed on those; with a store, host =
     homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
-    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them) + the NVMe-homed parameter shards the
-    host cache keeps clean between their reads (stage 3: read in forward, again in backward), within the
-    budget; and the device tier (RAM on a CPU device) empty unless it holds stage-3 parameter copies.
+    :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them) + what the host tier keeps clean between
+    its uses in one step (stage 3's parameter shards, read in forward and again in backward; gradients
+    written home in backward and read by the step), within the budget; and the device tier (RAM on a CPU device) empty unless it holds stage-3 parameter copies.
     Measured at GPT-2 2.7B (3 GiB host, all on NVMe): host tier 3.0 GiB (the budget), gathered 0.54 GiB,
-    gradient buffers 0.39 GiB, where the bound's worst cases are 3.0 / 1.0 / 2.7 GiB."""
+    gradient buffers 0.39 GiB, where the bound's worst cases are 3.0 / 1.0 / 2.7 GiB; at GPT-2 medium (1 GiB
+    host, stage 2, gradients and states on NVMe) the host tier reached its budget too."""
     from infinity.estimate.peak_rss import SLACK_FIXED_BYTES, SLACK_FRACTION
 
     grads = 0
@@ -378,7 +379,9 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
         return bound
     homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
     resident = placement.resident_bytes(units, stage, p_size, r_size, traffic["plan"])
-    cached = traffic["read"]["forward"] if stage == 3 else 0   # parameter shards read from NVMe, kept clean
+    # kept clean in the host tier's cache until read again in the same step: stage 3's parameter shards (read in
+    # forward, again in backward) and gradients written home in backward (read by the step)
+    cached = (traffic["read"]["forward"] if stage == 3 else 0) + traffic["write"]["backward"]
     host = min(budgets[Tier.HOST], homed + resident + RESIDENT_RESERVE_JOBS * chunk_job + cached)
     device = bound.device_tier_bytes
     if not (StagePolicy.of(stage).shard_params and placement.params is not None) or not device_is_host:

@@ -461,8 +461,24 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
     full = max(u.padded_numel for u in layout.units) * 2
     assert p.rss.grad_buffers_bytes == layout.largest_param_numel * 2 + full   # no second, shard-sized buffer
     assert p.rss.host_tier_bytes == base.tiers.host_bytes   # parameters read from NVMe fill the cache
+    # gradients written home in backward stay cached until the step reads them (stage 2), up to the budget
+    from infinity.plan import cost
+    from infinity.store import Tier
+    from infinity.zero.placement import Placement
     stage2 = base.replace(zero={"stage": 2}, offload={"params": "none"}, tiers={"host_bytes": "64MiB"})
-    assert _predict(tmp_path, stage2, rates()).rss.host_tier_bytes < 64 * 2**20   # nothing re-read: not filled
+    p2 = _predict(tmp_path, stage2, rates())
+    layout2 = model_layout(_request(tmp_path, param_dtype="bf16"), 2, "bf16", 0, compute(2))
+    traffic = cost.tier_traffic(layout2, stage2, 64 * 2**20)
+    written = traffic["write"]["backward"]
+    assert written > 0
+
+    def host_tier(backward_writes, budget):
+        t = dict(traffic, write=dict(traffic["write"], backward=backward_writes))
+        return cost._expected_rss(p2.rss_bound, t, Placement.from_config(stage2), layout2.units, 2, 2, 2,
+                                  {Tier.HOST: budget, Tier.DEVICE: 0}, True, layout2.largest_param_numel,
+                                  0).host_tier_bytes
+    assert host_tier(written, 64 * 2**20) - host_tier(0, 64 * 2**20) == written
+    assert host_tier(10**12, 64 * 2**20) == 64 * 2**20
 
 
 def test_timing_the_compute_leaves_nothing_of_the_timed_model_alive():
