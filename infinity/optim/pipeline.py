@@ -594,6 +594,11 @@ class AdamPipeline:
                     continue
                 spilled = self.store.spill(e.tier, e.requested_bytes) if self.store is not None else []
                 if not spilled:
+                    with self._progress:
+                        # the room changed hands since can_wait() said no (the update pinned the dirty
+                        # copy the spill would have written): wait for it as above instead of failing
+                        if can_wait():
+                            continue
                     raise
                 for f in spilled:
                     self.store.wait(f)

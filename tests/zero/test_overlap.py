@@ -459,3 +459,47 @@ def test_a_failed_update_while_the_swap_in_waits_for_room_ends_the_step(tmp_path
         assert not t.is_alive(), "finish() hung: the swap-in thread kept retrying for room after the failure"
         assert errors == ["injected failure in the update"], errors
         assert [t.name for t in threading.enumerate() if t.name in _THREADS] == []
+
+
+def test_room_taken_by_the_update_between_the_check_and_the_spill_is_waited_for(tmp_path):
+    """The race the full suite once hit (a speculative step at its minimum budget): a fold refused host room
+    found nothing pinned by the update (so it did not wait), but before its spill the update pinned the one
+    dirty copy the spill would have written, and the spill found nothing: the caller failed though the
+    update would release that room. It now checks again, waits for the release, and succeeds."""
+    from infinity.optim.cpu_adam import CpuAdamW
+    from infinity.optim.pipeline import AdamPipeline
+    from infinity.store import BudgetError, Tier
+
+    store, _ = _pipeline_store(tmp_path, host_bytes=1 << 20)
+    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1)
+    held, tries, spills = [], [], []
+
+    def attempt():
+        tries.append(1)
+        if len(tries) == 1:
+            raise BudgetError(Tier.HOST, 1 << 20, 1 << 20, 4096, "test: full")
+        return "room"
+
+    def spill(tier, nbytes):   # the update pins the dirty copy first; it releases it 0.1 s later
+        spills.append(1)
+        with pipe._progress:
+            held.append("u0.grad")
+
+        def release():
+            with pipe._progress:
+                held.clear()
+                pipe._released += 1
+                pipe._progress.notify_all()
+        threading.Timer(0.1, release).start()
+        return []
+
+    def full():
+        raise BudgetError(Tier.HOST, 1 << 20, 1 << 20, 4096, "test: full")
+
+    with store:
+        store.spill = spill
+        assert pipe._retry_for_room(attempt, lambda: bool(held)) == "room"
+        assert len(tries) == 2 and len(spills) == 1
+        store.spill = lambda tier, nbytes: []   # with nothing changing hands the error stands
+        with pytest.raises(BudgetError, match="test: full"):
+            pipe._retry_for_room(full, lambda: False)
