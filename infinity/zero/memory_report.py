@@ -187,7 +187,10 @@ class SavedTensorMeter:
                 self.live_bytes += entry[0]
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             entry[1] += 1
-        return _Saved(tensor, self, key)
+        # detached: the graph rejoins an unpacked output to its node itself. Held whole, an output saved by its
+        # own node would hold that node's grad_fn: a cycle through C++ that gc cannot see, so a forward never
+        # followed by backward kept its graph (activations and the parameters it saved) for good
+        return _Saved(tensor.detach(), self, key)
 
     @staticmethod
     def unpack(saved):

@@ -482,9 +482,9 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
 
 
 def test_timing_the_compute_leaves_nothing_of_the_timed_model_alive():
-    """``measure_compute`` frees the model it timed: its forward that only counts the blocks' saved bytes
-    ends in a backward, since an output the graph saves through the meter's pack hook holds its own grad_fn
-    (a cycle gc cannot see), which kept every parameter and activation of the timed model alive."""
+    """``measure_compute`` frees the model it timed, though one of its forwards (counting the blocks' saved
+    bytes) has no backward: the saved-tensor meter holds what it saves detached, where an output held whole
+    by its own node's grad_fn was a cycle gc cannot see, which kept every parameter and activation alive."""
     import gc
     before = {id(o) for o in gc.get_objects() if type(o) is torch.nn.Parameter}
     measure_compute(lambda: GPT(GPTConfig(**dict(SHAPE, n_layer=4))), _loss, 2, 32, torch.float32, 512, blocks=2)
