@@ -22,7 +22,6 @@ at the micro-batch ``plan.tokens`` names.
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import sys
 import tempfile
@@ -136,7 +135,6 @@ def plan_request(request: PlanRequest, profile: str | None, directory: str | Non
     (:func:`~infinity.store.host_malloc.release_free_heap`), as the plan's baseline RSS assumes."""
     with torch.random.fork_rng(devices=[]):
         plan = run_plan(request, rates_for(profile, directory, nproc, say))
-    gc.collect()
     release_free_heap()   # the profile's and the timing's freed blocks: not the training run's baseline
     return plan
 

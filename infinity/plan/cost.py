@@ -352,15 +352,16 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
     homed shards + resident chunks + the step's working room (the pipeline's jobs in flight,
     :data:`~infinity.zero.placement.RESIDENT_RESERVE_JOBS` of them) + what the host tier keeps clean between
     its uses in one step (stage 3's parameter shards, read in forward and again in backward; gradients
-    written home in backward and read by the step), within the budget; and the device tier (RAM on a CPU device) empty unless it holds stage-3 parameter copies.
+    written home in backward and read by the step), within the budget; and the device tier (RAM on a CPU
+    device) empty unless it holds stage-3 parameter copies.
     Measured at GPT-2 2.7B (3 GiB host, all on NVMe): host tier 3.0 GiB (the budget), gathered 0.54 GiB,
     gradient buffers 0.39 GiB, where the bound's worst cases are 3.0 / 1.0 / 2.7 GiB; at GPT-2 medium (1 GiB
     host, stage 2, gradients and states on NVMe) the host tier reached its budget too."""
     from infinity.estimate.peak_rss import SLACK_FIXED_BYTES, SLACK_FRACTION
 
     grads = 0
-    one_rank = all(u.shard_numel >= u.padded_numel for u in units)
     if device_is_host:
+        one_rank = all(u.shard_numel >= u.padded_numel for u in units)
         largest_full = max(u.padded_numel for u in units) * r_size
         largest_shard = max(u.shard_numel for u in units) * r_size
         # one rank: the mean is the full gradient itself, no second buffer (GradReducer)

@@ -63,7 +63,7 @@ def fix_mmap_threshold(nbytes: int) -> bool:
 def release_free_heap() -> bool:
     """Give the free pages of glibc's heaps back to the OS (``malloc_trim(0)``). Work that allocates and
     frees many blocks below the mmap threshold before training starts (``auto``'s quick profile and compute
-    timing: 0.7-0.8 GiB left in the arenas at GPT-2 2.7B) would otherwise stay in RSS for the whole run,
+    timing: 0.4 GiB of free heap at GPT-2 2.7B) would otherwise stay in RSS for the whole run,
     counted in the engine's baseline. Returns whether anything was released (False: none, or not glibc)."""
     libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
