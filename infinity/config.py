@@ -174,6 +174,15 @@ def _bool_or_auto(v, key):
     return "auto" if v == "auto" else _bool(v, key)
 
 
+def _bool_or_count(v, key):
+    """true, false, or a count >= 0 (0 reads as false)."""
+    if isinstance(v, bool):
+        return v
+    if not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{key}: expected true, false or a count of units >= 0, got {v!r}")
+    return v if v else False
+
+
 def _betas(v, key):
     if not isinstance(v, (list, tuple)) or len(v) != 2:
         raise ConfigError(f"{key}: expected two numbers [beta1, beta2], got {v!r}")
@@ -227,9 +236,16 @@ class ZeroConfig:
         (), _str_list, "module class names that each become a unit; empty = children of the largest ModuleList")
     bucket_bytes: int = _f(
         25 * 2**20, _size, "stage 0: gradient all-reduce bucket size (bigger = fewer calls, later overlap)")
-    activation_checkpointing: bool = _f(
-        False, _bool, "recompute each unit's activations in backward instead of keeping them from forward: "
-        "activation memory falls to the units' inputs, at the cost of one more forward per unit")
+    activation_checkpointing: Any = _f(
+        False, _bool_or_count, "recompute each unit's activations in backward instead of keeping them from "
+        "forward: activation memory falls to the units' inputs, at the cost of one more forward per unit. "
+        "true = every unit; a count N = the first N units only (the rest keep theirs: less memory saved, "
+        "less recomputed)")
+
+    def checkpointed_units(self, blocks: int) -> int:
+        """How many of ``blocks`` units (the root excluded) ``activation_checkpointing`` recomputes."""
+        ckpt = self.activation_checkpointing
+        return blocks if ckpt is True else min(int(ckpt), blocks)
 
 
 @dataclass(frozen=True)

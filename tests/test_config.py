@@ -107,11 +107,21 @@ def test_unknown_section_lists_valid_sections():
         ({"io": {"checksum": "yes"}}, r"io\.checksum: expected true or false"),
         ({"io": {"block_bytes": 1000}}, r"io\.block_bytes: must be a multiple of 4096"),
         ({"zero": []}, r"zero: expected a mapping"),
+        ({"zero": {"activation_checkpointing": -1}}, r"zero\.activation_checkpointing: expected true, false or a"),
+        ({"zero": {"activation_checkpointing": "all"}}, r"zero\.activation_checkpointing: expected true, false or a"),
+        ({"zero": {"activation_checkpointing": 1.5}}, r"zero\.activation_checkpointing: expected true, false or a"),
     ],
 )
 def test_bad_values_name_key_and_expectation(d, match):
     with pytest.raises(ConfigError, match=match):
         Config.from_dict(d)
+
+
+@pytest.mark.parametrize("value, units", [(True, 12), (False, 0), (0, 0), (5, 5), (12, 12), (40, 12)])
+def test_activation_checkpointing_takes_all_none_or_the_first_n_units(value, units):
+    zero = Config.from_dict({"zero": {"activation_checkpointing": value}}).zero
+    assert zero.checkpointed_units(12) == units
+    assert zero.activation_checkpointing is False or value    # 0 reads as false, not as a count of none
 
 
 def test_nvme_needs_path():

@@ -6,7 +6,7 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 (:mod:`infinity.plan.rates`) times a byte or element count the engine's own accounting gives:
 
 - compute: the model's measured forward / backward at the step's tokens (activation checkpointing
-  adds one block forward per block to backward).
+  adds one block forward per checkpointed block to backward).
 - bytes: :meth:`Placement.stored_itemsizes` per stored class (so a new state format changes the
   counts here through placement, not a table of its own), chunks from :meth:`Placement.chunk_numel`,
   and the chunks kept in host memory for good from :meth:`Placement.host_resident_plan`, exactly as
@@ -49,6 +49,7 @@ their budgets (:func:`_expected_rss`), and the activations measured with the com
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from infinity.config import Config
 from infinity.plan.rates import adam_mode
@@ -67,11 +68,12 @@ __all__ = ["Layout", "Prediction", "predict", "tier_traffic"]
 @dataclass(frozen=True)
 class Layout:
     """What the model looks like to the engine at one (stage, world size): the units as ``initialize``
-    cuts them (on the meta device), the activations one micro-batch saves (with and without
-    activation checkpointing), and the largest single parameter."""
+    cuts them (on the meta device), the activations one micro-batch saves (with any number of its
+    blocks checkpointed), and the largest single parameter."""
 
     units: list
-    activation_bytes: dict            # {checkpointing: bytes}
+    blocks: int                       # the units activation checkpointing may recompute (the root is not one)
+    activation_bytes: Callable        # (blocks checkpointed) -> saved bytes: ComputeRates.activation_bytes
     largest_param_numel: int
     baseline_bytes: int
 
@@ -241,7 +243,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     units = layout.units
     shard_numel = sum(u.shard_numel for u in units)
     full_numel = sum(u.padded_numel for u in units)
-    checkpointing = config.zero.activation_checkpointing
+    checkpointed = config.zero.checkpointed_units(layout.blocks)
     traffic = tier_traffic(layout, config, budgets[Tier.HOST])
     read, write = traffic["read"], traffic["write"]
     prefetching = config.prefetch.bytes > 0
@@ -249,7 +251,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     comm = _comm_s(layout, config, world, rates)
     notes = []
 
-    compute_f_alone, compute_b_alone = compute.forward_s(), compute.backward_s(checkpointing)
+    compute_f_alone, compute_b_alone = compute.forward_s(), compute.backward_s(checkpointed)
     phases = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
     # a CPU device computes on the cores (and memory bus) the I/O engine uses: slowed while the disk streams
     slowdown = (rates.compute_slowdown or 1.0) if device_is_host else 1.0
@@ -328,7 +330,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         step["io_wait_s"] = pipeline_io
     step["unattributed_s"] = (read["step"] + write["step"]) / memcpy / 4   # staging copies beside the disk
 
-    activations = layout.activation_bytes[checkpointing]
+    activations = layout.activation_bytes(checkpointed)
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel,
                              host_cache.cap_of(config.tiers, placement.any_offload))

@@ -45,7 +45,8 @@ TIERS = ("none", "host", "nvme")
 # ``--fix optimizer.moments=bf16``. Where overlap_backward overlaps is chosen between backward (refused
 # by the config with clipping or fp16) and next_forward; speculative is planned only when asked for
 # (``--fix optimizer.overlap_mode=speculative``): whether it pays depends on how often the norm clips (a
-# redo), which no profile measures.
+# redo), which no profile measures. Checkpointing only the first N units is tried after these, where
+# checkpointing every unit fits with room to spare (:func:`_partial_checkpointing`): N depends on the room.
 DIMENSIONS = {
     "zero.stage": (0, 1, 2, 3),
     "offload.params": TIERS,
@@ -128,12 +129,18 @@ class Choice:
         off = "/".join(f"{c}:{k[f'offload.{c}']}" for c in ("params", "grads", "optimizer"))
         extras = [f"chunk {format_size(k['offload.chunk_bytes'])}" if _stores(k) else None,
                   f"overlap in {k['optimizer.overlap_mode']}" if k["optimizer.overlap_backward"] else None,
-                  "ckpt" if k["zero.activation_checkpointing"] else None,
+                  _ckpt_label(k["zero.activation_checkpointing"]),
                   f"reduce {k['precision.reduce_dtype']}",
                   ("prefetch" if k["prefetch.bytes"] else "no prefetch") if _stored_params(k) else None,
                   f"master {k['optimizer.master']}" if k["optimizer.master"] != "fp32" else None,
                   f"moments {k['optimizer.moments']}" if k["optimizer.moments"] != "fp32" else None]
         return f"stage {k['zero.stage']} {off} " + ", ".join(e for e in extras if e)
+
+
+def _ckpt_label(value) -> str | None:
+    if value is True:
+        return "ckpt"
+    return f"ckpt first {value} units" if value else None
 
 
 @dataclass
@@ -197,7 +204,7 @@ def _config_sections(config: Config) -> dict:
 def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int,
                  compute: ComputeRates) -> Layout:
     """The units ``initialize`` would cut (meta device) at ``stage``, and the activations one micro-batch
-    saves with and without activation checkpointing (measured with the compute: :func:`measure_compute`)."""
+    saves with any number of blocks checkpointed (measured with the compute: :func:`measure_compute`)."""
     with torch.device("meta"):
         model = request.build()
     param_dtype, reduce = DTYPES[request.param_dtype], DTYPES[reduce_dtype]
@@ -205,7 +212,7 @@ def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_b
     group_of = group_index(model, [{"params": params}])
     align = shard_align_numel({param_dtype, reduce, torch.float32})
     units = plan_units(model, group_of, (), 1 if stage == 0 else request.world, align)
-    return Layout(units=units, activation_bytes={c: compute.activation_bytes(c) for c in (False, True)},
+    return Layout(units=units, blocks=compute.blocks, activation_bytes=compute.activation_bytes,
                   largest_param_numel=max(p.numel() for p in params), baseline_bytes=baseline_bytes)
 
 
@@ -276,6 +283,9 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
         layout = layouts[stage, reduce_dtype]
         choices.append(_judge(knobs, config, layout, compute, rates, request.world, host_grant, device_grant,
                               device_is_host, ram))
+    if "zero.activation_checkpointing" not in request.fixed:
+        choices += _partial_checkpointing(choices, request, rates, compute, layouts, host_grant, device_grant,
+                                          device_is_host, ram)
     fitting = sorted((c for c in choices if c.fits), key=lambda c: (c.step_s, c.prediction.rss.total_bytes))
     if not fitting:
         raise InfeasiblePlan(_minimum_message(choices, host_grant, device_grant, request))
@@ -294,6 +304,41 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
     return Plan(request=request, rates=rates, compute={request.param_dtype: compute}, chosen=chosen,
                 alternatives=alts, faster_unfit=unfit, considered=len(choices),
                 budgets={Tier.HOST: host_grant, Tier.DEVICE: chosen.config.tiers.device_bytes})
+
+
+def _partial_checkpointing(choices: list, request: PlanRequest, rates: Rates, compute: ComputeRates, layouts: dict,
+                           host_grant: int, device_grant: int, device_is_host: bool, ram: int) -> list:
+    """Candidates that checkpoint only the first N blocks: for each fitting candidate that checkpoints them
+    all and could still be the fastest (within one full recompute of the best), the fewest blocks that
+    fit the device grant with the least device tier, and half-way back to all of them (the other half
+    of the room left to the device tier). Each un-checkpointed block keeps its saved activations
+    (``block_saved_bytes``) instead of its input, and its forward is not run again in backward."""
+    fitting = [c for c in choices if c.fits]
+    if not fitting or compute.blocks < 2:
+        return []
+    best = min(c.step_s for c in fitting)
+    recompute = compute.blocks * compute.block_forward_s
+    per_block = compute.block_saved_bytes - compute.block_input_bytes
+    if per_block <= 0:
+        return []
+    out = []
+    for c in fitting:
+        if c.knobs["zero.activation_checkpointing"] is not True or c.step_s > best + recompute:
+            continue
+        keep = min((device_grant - c.needs["device_bytes"]) // per_block, compute.blocks)
+        if keep < 1:
+            continue
+        counts = {compute.blocks - keep, compute.blocks - keep // 2} - {0, compute.blocks}
+        for count in sorted(counts):
+            knobs = dict(c.knobs, **{"zero.activation_checkpointing": count})
+            try:
+                config = Config.from_dict(_candidate_dict(request, knobs, rates.io))
+            except ConfigError:
+                continue
+            layout = layouts[knobs["zero.stage"], knobs["precision.reduce_dtype"]]
+            out.append(_judge(knobs, config, layout, compute, rates, request.world, host_grant, device_grant,
+                              device_is_host, ram))
+    return out
 
 
 def _signature(c: Choice) -> tuple:
@@ -318,7 +363,7 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     # what the engine keeps in device memory outside the store: the same terms as the RSS bound's
     # (on a CPU device they are RAM; on CUDA the bound counts them as 0, so ask it as if on the host)
     on_device = predict_device_bytes(layout, placement, stage, p_size, r_size, max_live,
-                                     layout.activation_bytes[config.zero.activation_checkpointing])
+                                     layout.activation_bytes(config.zero.checkpointed_units(layout.blocks)))
     needs = {"device_bytes": on_device, "host_bytes": 0}
     tier_budgets = {Tier.HOST: host_grant, Tier.DEVICE: 0}
     if placement.any_offload:

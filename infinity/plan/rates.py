@@ -164,21 +164,29 @@ class ComputeRates:
     block_input_bytes: int = 0        # one block's input (what activation checkpointing keeps instead)
     measured: dict = field(default_factory=dict)
 
-    def activation_bytes(self, checkpointing: bool) -> int:
+    def activation_bytes(self, checkpointed: int) -> int:
         """Saved-for-backward bytes of the whole model's forward at the measured micro-batch, as the
-        engine's memory report counts them (unique storages, parameters excluded)."""
-        per_block = self.block_input_bytes if checkpointing else self.block_saved_bytes
-        return self.root_saved_bytes + self.blocks * per_block
+        engine's memory report counts them (unique storages, parameters excluded), with ``checkpointed``
+        of the blocks recomputed in backward (``ZeroConfig.checkpointed_units``)."""
+        k = _block_count(checkpointed, self.blocks)
+        return self.root_saved_bytes + k * self.block_input_bytes + (self.blocks - k) * self.block_saved_bytes
 
     def forward_s(self) -> float:
         return self.root_forward_s + self.blocks * self.block_forward_s
 
-    def backward_s(self, checkpointing: bool) -> float:
-        recompute = self.blocks * self.block_forward_s if checkpointing else 0.0
+    def backward_s(self, checkpointed: int) -> float:
+        """Backward with ``checkpointed`` blocks' forwards run again inside it."""
+        recompute = _block_count(checkpointed, self.blocks) * self.block_forward_s
         return self.root_backward_s + self.blocks * self.block_backward_s + recompute
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _block_count(checkpointed: int, blocks: int) -> int:
+    if isinstance(checkpointed, bool):   # True would read as one block
+        raise TypeError("checkpointed: a count of blocks (ZeroConfig.checkpointed_units), not a bool")
+    return min(checkpointed, blocks)
 
 
 def truncated_model(build: Callable[[], nn.Module], blocks: int) -> tuple:

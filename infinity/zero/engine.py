@@ -199,7 +199,7 @@ class ZeroEngine:
                 meta.move_unsharded(model, self.units, self.device)   # buffers, frozen parameters
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
-                                          config.zero.activation_checkpointing,
+                                          config.zero.checkpointed_units(sum(not u.is_root for u in self.units)),
                                           wait_units=self.update.may_launch and not self.policy.shard_params)
         except BaseException:
             self.close()

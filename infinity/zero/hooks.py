@@ -22,7 +22,7 @@ nothing else of it:
 - per-parameter post-accumulate-grad hook: ``param_grad_ready`` moves ``.grad``
   into the unit's flat gradient; the unit's last one triggers its reduction.
 
-With ``zero.activation_checkpointing`` each unit module gets PyTorch's
+With ``zero.activation_checkpointing`` each unit module (or the first N) gets PyTorch's
 composable activation checkpointing (``torch.distributed._composable.checkpoint``:
 hooks, no change to the module tree or names): its activations are recomputed
 in backward. The recompute runs the unit's forward hooks again inside the
@@ -101,12 +101,12 @@ class HookTarget(Protocol):
     def settle_update(self) -> None: ...                            # a launched update finishes first
 
 
-def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: bool = False,
+def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: int = 0,
             wait_units: bool = False) -> list:
     """Register every hook on ``model`` and its ``units``' modules (the unit hooks only when
     ``shard_params``: stage 3 gathers per unit; with ``wait_units`` only the unit pre-hooks, which
-    wait for the unit's launched update), and activation checkpointing on each unit module if
-    ``checkpoint_units``; returns the removable handles."""
+    wait for the unit's launched update), and activation checkpointing on the first
+    ``checkpoint_units`` unit modules (the root is never one); returns the removable handles."""
     handles = []
 
     def root_pre(module, args):
@@ -129,9 +129,8 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
 
     if checkpoint_units:
         from torch.distributed._composable import checkpoint
-        for unit in units:
-            if not unit.is_root:
-                checkpoint(unit.module)   # registered first: its context wraps the gather hooks below
+        for unit in [u for u in units if not u.is_root][:checkpoint_units]:
+            checkpoint(unit.module)   # registered first: its context wraps the gather hooks below
 
     if shard_params:
         for unit in units:

@@ -143,9 +143,36 @@ def test_a_device_tier_too_small_for_the_parameters_rereads_them_in_backward(tmp
 def test_measured_compute_splits_root_and_blocks(tmp_path):
     c = measure_compute(lambda: GPT(GPTConfig(**SHAPE)), _loss, 2, 32, torch.float32, 512, repeats=1)
     assert c.blocks == 2 and c.tokens == 64
-    assert c.forward_s() > 0 and c.backward_s(True) >= c.backward_s(False) > 0
+    assert c.forward_s() > 0 and c.backward_s(2) >= c.backward_s(1) >= c.backward_s(0) > 0
     assert c.block_saved_bytes > c.block_input_bytes > 0
-    assert c.activation_bytes(True) < c.activation_bytes(False)
+    assert c.activation_bytes(2) < c.activation_bytes(1) < c.activation_bytes(0)
+    with pytest.raises(TypeError, match="not a bool"):
+        c.activation_bytes(True)   # would read as one block
+
+
+def test_a_device_grant_between_none_and_all_checkpointed_recomputes_only_the_blocks_that_must(tmp_path):
+    """Stage 0 in memory, 8 blocks each saving 7 MiB more than its input when not checkpointed: with room for
+    3 blocks' activations beyond the all-checkpointed need, the plan recomputes the first 5 blocks, is
+    3 block forwards faster than checkpointing all 8, and predicts the activations of 5 inputs + 3 blocks."""
+    fixed = {"zero.stage": 0, "offload.params": "none", "offload.grads": "none", "offload.optimizer": "none",
+             "precision.reduce_dtype": "fp32"}
+    blocks = compute(8, block_s=0.05, saved=8 * 2**20)
+    per_block = blocks.block_saved_bytes - blocks.block_input_bytes
+    all_fixed = dict(fixed, **{"zero.activation_checkpointing": True})
+    every = make_plan(_request(tmp_path, device_bytes=2**30, fixed=all_fixed), rates(), blocks)
+    need_all = every.chosen.needs["device_bytes"]
+    assert every.chosen.knobs["zero.activation_checkpointing"] is True
+    plan = make_plan(_request(tmp_path, device_bytes=need_all + 3 * per_block + per_block // 2, fixed=fixed),
+                     rates(), blocks)
+    chosen = plan.chosen
+    assert chosen.fits and chosen.knobs["zero.activation_checkpointing"] == 5
+    assert chosen.config.zero.checkpointed_units(8) == 5 and "ckpt first 5 units" in chosen.label()
+    assert chosen.prediction.rss.activation_bytes == blocks.activation_bytes(5) == (
+        blocks.root_saved_bytes + 5 * blocks.block_input_bytes + 3 * blocks.block_saved_bytes)
+    assert every.chosen.step_s - chosen.step_s == pytest.approx(3 * 0.05)
+    # with no room beyond the all-checkpointed need, every block is checkpointed
+    tight = make_plan(_request(tmp_path, device_bytes=need_all, fixed=fixed), rates(), blocks)
+    assert tight.chosen.knobs["zero.activation_checkpointing"] is True
 
 
 def test_a_profile_missing_a_section_is_named():

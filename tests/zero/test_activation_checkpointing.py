@@ -64,10 +64,11 @@ def trace_case(spec: dict) -> list:
 def test_bitwise_equal_to_the_run_without_it(worlds, world_size):
     specs = [dict(BASE, stage=s) for s in (0, 1, 2, 3)]
     specs += [dict(BASE, stage=3, reshard=False), dict(BASE, stage=3, accum=2), dict(BASE, model="hf_gpt2", stage=3)]
-    both = specs + [dict(s, checkpointing=True) for s in specs]
+    # True: every unit; 1: the first of the two only
+    both = specs + [dict(s, checkpointing=True) for s in specs] + [dict(s, checkpointing=1) for s in specs]
     got = worlds(world_size).run(zero_cases.many, "train_case", both)[0]
     plain, checkpointed = got[:len(specs)], got[len(specs):]
-    for spec, a, b in zip(specs, plain, checkpointed):
+    for spec, a, b in zip(specs + specs, plain + plain, checkpointed):
         assert a["losses"] == b["losses"], (spec, a["losses"], b["losses"])
         for name, p in a["params"].items():
             assert torch.equal(p, b["params"][name]), (spec, name)
@@ -79,6 +80,10 @@ def test_saves_a_fraction_of_the_activations_and_keeps_the_trace(worlds):
     for spec in specs:
         checkpointed = worlds(2).run(saved_bytes_case, dict(spec, checkpointing=True))[0]
         assert checkpointed < 0.5 * plain, (spec, checkpointed, plain)
+        # the first of the two units only: about half of what checkpointing both drops
+        first = worlds(2).run(saved_bytes_case, dict(spec, checkpointing=1))[0]
+        assert checkpointed < first < plain, (spec, checkpointed, first, plain)
+        assert abs((plain - first) - (first - checkpointed)) < 0.25 * (plain - checkpointed), (spec, first)
     plain_trace = worlds(2).run(trace_case, dict(BASE, stage=3))[0]
     ckpt_trace = worlds(2).run(trace_case, dict(BASE, stage=3, checkpointing=True))[0]
     assert ckpt_trace == plain_trace and len(plain_trace) > 0
