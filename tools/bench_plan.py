@@ -19,6 +19,8 @@ sequence 256, micro-batch 2, bf16 compute):
   small-4g     host_bytes 4GiB, device_bytes 1GiB
   small-s3-w2  stage 3 in memory (nothing offloaded), world size 2, device_bytes 4GiB per rank
   medium-1g    GPT-2 medium (24 x 1024), host_bytes 1GiB, device_bytes 2GiB
+  small-h1g, medium-h1g  host_bytes 1GiB and device_bytes auto (the device's free memory: on CPU, RAM):
+               the issue's "1 GiB host budget" with nothing said of the device
   1b-2g        GPT-2 1.3B (24 x 2048), host_bytes 2GiB, device_bytes 3.5GiB
   2.7b-3g      GPT-2 2.7B (32 x 2560, tools/bench_scale.py's scale workload), host_bytes 3GiB,
                device_bytes 4.5GiB: ~42 GB of state in the swap directory (check its free space first)
@@ -61,6 +63,8 @@ WORKLOADS = {
                     "fixed": {"zero.stage": 3, "offload.params": "none", "offload.grads": "none",
                               "offload.optimizer": "none"}},
     "medium-1g": {"model": _gpt2(24, 1024, 16), "host": 1 * GIB, "device": 2 * GIB, "world": 1},
+    "small-h1g": {"model": GPT2_SMALL, "host": 1 * GIB, "device": "auto", "world": 1},
+    "medium-h1g": {"model": _gpt2(24, 1024, 16), "host": 1 * GIB, "device": "auto", "world": 1},
     "1b-2g": {"model": _gpt2(24, 2048, 16), "host": 2 * GIB, "device": 7 * GIB // 2, "world": 1},
     "2.7b-3g": {"model": _gpt2(32, 2560, 32), "host": 3 * GIB, "device": 9 * GIB // 2, "world": 1},
     "pretrained-1g": {"model": "pretrained", "host": 1 * GIB, "device": 1 * GIB, "world": 1},
