@@ -150,29 +150,30 @@ def test_measured_compute_splits_root_and_blocks(tmp_path):
         c.activation_bytes(True)   # would read as one block
 
 
-def test_a_device_grant_between_none_and_all_checkpointed_recomputes_only_the_blocks_that_must(tmp_path):
-    """Stage 0 in memory, 8 blocks each saving 7 MiB more than its input when not checkpointed: with room for
-    3 blocks' activations beyond the all-checkpointed need, the plan recomputes the first 5 blocks, is
-    3 block forwards faster than checkpointing all 8, and predicts the activations of 5 inputs + 3 blocks."""
+def test_checkpointing_the_first_n_blocks_is_priced_when_fixed(tmp_path):
+    """Stage 0 in memory, 8 blocks each saving 7 MiB more than its input when not checkpointed, the count
+    fixed at 5: the plan recomputes 5 blocks, is 3 block forwards faster than checkpointing all 8, needs
+    3 blocks' activations more device memory, and predicts the activations of 5 inputs + 3 blocks. Unasked,
+    the planner tries all or none."""
     fixed = {"zero.stage": 0, "offload.params": "none", "offload.grads": "none", "offload.optimizer": "none",
              "precision.reduce_dtype": "fp32"}
     blocks = compute(8, block_s=0.05, saved=8 * 2**20)
     per_block = blocks.block_saved_bytes - blocks.block_input_bytes
-    all_fixed = dict(fixed, **{"zero.activation_checkpointing": True})
-    every = make_plan(_request(tmp_path, device_bytes=2**30, fixed=all_fixed), rates(), blocks)
-    need_all = every.chosen.needs["device_bytes"]
-    assert every.chosen.knobs["zero.activation_checkpointing"] is True
-    plan = make_plan(_request(tmp_path, device_bytes=need_all + 3 * per_block + per_block // 2, fixed=fixed),
-                     rates(), blocks)
-    chosen = plan.chosen
-    assert chosen.fits and chosen.knobs["zero.activation_checkpointing"] == 5
-    assert chosen.config.zero.checkpointed_units(8) == 5 and "ckpt first 5 units" in chosen.label()
-    assert chosen.prediction.rss.activation_bytes == blocks.activation_bytes(5) == (
+
+    def plan(ckpt):
+        request = _request(tmp_path, device_bytes=2**30, fixed=dict(fixed, **{"zero.activation_checkpointing": ckpt}))
+        return make_plan(request, rates(), blocks).chosen
+
+    every, first5 = plan(True), plan(5)
+    assert first5.fits and first5.config.zero.checkpointed_units(8) == 5 and "ckpt first 5 units" in first5.label()
+    assert first5.prediction.rss.activation_bytes == blocks.activation_bytes(5) == (
         blocks.root_saved_bytes + 5 * blocks.block_input_bytes + 3 * blocks.block_saved_bytes)
-    assert every.chosen.step_s - chosen.step_s == pytest.approx(3 * 0.05)
-    # with no room beyond the all-checkpointed need, every block is checkpointed
-    tight = make_plan(_request(tmp_path, device_bytes=need_all, fixed=fixed), rates(), blocks)
-    assert tight.chosen.knobs["zero.activation_checkpointing"] is True
+    assert every.step_s - first5.step_s == pytest.approx(3 * 0.05)
+    assert first5.needs["device_bytes"] - every.needs["device_bytes"] == 3 * per_block
+    unasked = make_plan(_request(tmp_path, device_bytes=every.needs["device_bytes"] + 4 * per_block, fixed=fixed),
+                        rates(), blocks)
+    assert unasked.chosen.knobs["zero.activation_checkpointing"] is True
+    assert all(isinstance(c.knobs["zero.activation_checkpointing"], bool) for c in unasked.alternatives)
 
 
 def test_a_profile_missing_a_section_is_named():
