@@ -117,11 +117,12 @@ def test_bad_values_name_key_and_expectation(d, match):
         Config.from_dict(d)
 
 
-@pytest.mark.parametrize("value, units", [(True, 12), (False, 0), (0, 0), (5, 5), (12, 12), (40, 12)])
-def test_activation_checkpointing_takes_all_none_or_the_first_n_units(value, units):
+@pytest.mark.parametrize("value, stored, units", [(True, True, 12), (False, False, 0), (0, False, 0), (5, 5, 5),
+                                                  (12, 12, 12), (40, 40, 12)])
+def test_activation_checkpointing_takes_all_none_or_the_first_n_units(value, stored, units):
     zero = Config.from_dict({"zero": {"activation_checkpointing": value}}).zero
     assert zero.checkpointed_units(12) == units
-    assert zero.activation_checkpointing is False or value    # 0 reads as false, not as a count of none
+    assert zero.activation_checkpointing == stored and type(zero.activation_checkpointing) is type(stored)
 
 
 def test_nvme_needs_path():

@@ -49,7 +49,6 @@ their budgets (:func:`_expected_rss`), and the activations measured with the com
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from infinity.config import Config
 from infinity.plan.rates import adam_mode
@@ -68,12 +67,10 @@ __all__ = ["Layout", "Prediction", "predict", "tier_traffic"]
 @dataclass(frozen=True)
 class Layout:
     """What the model looks like to the engine at one (stage, world size): the units as ``initialize``
-    cuts them (on the meta device), the activations one micro-batch saves (with any number of its
-    blocks checkpointed), and the largest single parameter."""
+    cuts them (on the meta device), the largest single parameter, and the training process's RSS before
+    ``initialize`` (the activations are the compute's: :meth:`ComputeRates.activation_bytes`)."""
 
     units: list
-    blocks: int                       # the units activation checkpointing may recompute (the root is not one)
-    activation_bytes: Callable        # (blocks checkpointed) -> saved bytes: ComputeRates.activation_bytes
     largest_param_numel: int
     baseline_bytes: int
 
@@ -243,7 +240,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     units = layout.units
     shard_numel = sum(u.shard_numel for u in units)
     full_numel = sum(u.padded_numel for u in units)
-    checkpointed = config.zero.checkpointed_units(layout.blocks)
+    checkpointed = config.zero.checkpointed_units(compute.blocks)
     traffic = tier_traffic(layout, config, budgets[Tier.HOST])
     read, write = traffic["read"], traffic["write"]
     prefetching = config.prefetch.bytes > 0
@@ -330,7 +327,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         step["io_wait_s"] = pipeline_io
     step["unattributed_s"] = (read["step"] + write["step"]) / memcpy / 4   # staging copies beside the disk
 
-    activations = layout.activation_bytes(checkpointed)
+    activations = compute.activation_bytes(checkpointed)
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel,
                              host_cache.cap_of(config.tiers, placement.any_offload))

@@ -204,10 +204,8 @@ def _config_sections(config: Config) -> dict:
     return config.to_dict()
 
 
-def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int,
-                 compute: ComputeRates) -> Layout:
-    """The units ``initialize`` would cut (meta device) at ``stage``, and the activations one micro-batch
-    saves with any number of blocks checkpointed (measured with the compute: :func:`measure_compute`)."""
+def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int) -> Layout:
+    """The units ``initialize`` would cut (meta device) at ``stage``."""
     with torch.device("meta"):
         model = request.build()
     param_dtype, reduce = DTYPES[request.param_dtype], DTYPES[reduce_dtype]
@@ -215,8 +213,7 @@ def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_b
     group_of = group_index(model, [{"params": params}])
     align = shard_align_numel({param_dtype, reduce, torch.float32})
     units = plan_units(model, group_of, (), 1 if stage == 0 else request.world, align)
-    return Layout(units=units, blocks=compute.blocks, activation_bytes=compute.activation_bytes,
-                  largest_param_numel=max(p.numel() for p in params), baseline_bytes=baseline_bytes)
+    return Layout(units=units, largest_param_numel=max(p.numel() for p in params), baseline_bytes=baseline_bytes)
 
 
 def _knob_dict(values: tuple) -> dict:
@@ -282,7 +279,7 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
     for knobs, config in _enumerate(request, rates.io):
         stage, reduce_dtype = knobs["zero.stage"], knobs["precision.reduce_dtype"]
         if (stage, reduce_dtype) not in layouts:
-            layouts[stage, reduce_dtype] = model_layout(request, stage, reduce_dtype, baseline, compute)
+            layouts[stage, reduce_dtype] = model_layout(request, stage, reduce_dtype, baseline)
         layout = layouts[stage, reduce_dtype]
         choices.append(_judge(knobs, config, layout, compute, rates, request.world, host_grant, device_grant,
                               device_is_host, ram))
@@ -328,7 +325,7 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     # what the engine keeps in device memory outside the store: the same terms as the RSS bound's
     # (on a CPU device they are RAM; on CUDA the bound counts them as 0, so ask it as if on the host)
     on_device = predict_device_bytes(layout, placement, stage, p_size, r_size, max_live,
-                                     layout.activation_bytes(config.zero.checkpointed_units(layout.blocks)))
+                                     compute.activation_bytes(config.zero.checkpointed_units(compute.blocks)))
     needs = {"device_bytes": on_device, "host_bytes": 0}
     tier_budgets = {Tier.HOST: host_grant, Tier.DEVICE: 0}
     if placement.any_offload:

@@ -81,7 +81,7 @@ def test_a_slower_disk_is_predicted_slower_and_shows_in_the_io_term(tmp_path):
     from infinity.store import Tier
     req = _request(tmp_path)
     c = compute(2)
-    layout = model_layout(req, 3, "fp32", 0, c)
+    layout = model_layout(req, 3, "fp32", 0)
     budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
     fast = predict(layout, cfg, c, rates(read_gbps=2.0, write_gbps=2.0), 1, budgets, True, 1 << 20)
     slow = predict(layout, cfg, c, rates(read_gbps=0.01, write_gbps=0.01), 1, budgets, True, 1 << 20)
@@ -105,7 +105,7 @@ def test_predicted_bytes_per_tier_pair_equal_what_the_engine_moves(tmp_path):
     from infinity.store import Tier
     from infinity.zero.placement import Placement
     req = _request(tmp_path)
-    layout = model_layout(req, 3, "fp32", 0, compute(2))
+    layout = model_layout(req, 3, "fp32", 0)
     # gradients homed in host memory: NVMe-homed ones whose dirty copies survive into the step are read
     # less than the model's no-hit assumption says (cost.py's module doc)
     cfg = _nvme_config(tmp_path).replace(offload={"grads": "host"})
@@ -133,7 +133,7 @@ def test_a_device_tier_too_small_for_the_parameters_rereads_them_in_backward(tmp
     from infinity.plan.planner import model_layout
     roomy = _nvme_config(tmp_path)
     small = roomy.replace(tiers={"device_bytes": 256 * 1024})
-    layout = model_layout(_request(tmp_path), 3, "fp32", 0, compute(2))
+    layout = model_layout(_request(tmp_path), 3, "fp32", 0)
     a = tier_traffic(layout, roomy, roomy.tiers.host_bytes)
     b = tier_traffic(layout, small, small.tiers.host_bytes)
     assert a["read"]["backward"] == 0 < b["read"]["backward"]
@@ -235,7 +235,7 @@ def _predict(tmp_path, cfg, rates_):
     from infinity.plan.planner import model_layout
     from infinity.store import Tier
     c = compute(2)
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, c)
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
     return predict(layout, cfg, c, rates_, 1, budgets, True, 1 << 20)
 
@@ -279,7 +279,7 @@ def test_new_gradient_blocks_above_the_mmap_threshold_are_priced_at_the_fresh_me
     from infinity.plan.planner import model_layout
     low = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "4KiB", "host_cache_bytes": 0})
     high = _bf16_nvme(tmp_path).replace(tiers={"malloc_mmap_threshold": "32MiB", "host_cache_bytes": 0})
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     fresh = sum(u.padded_numel * 2 for u in layout.units if u.padded_numel * 2 >= 4096)
     assert fresh > 0
     slow = rates(fresh_gbps=0.1)   # memcpy 8 GB/s
@@ -360,7 +360,7 @@ def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
     unclipped = _bf16_nvme(tmp_path, overlap_backward=True)
     spec = _bf16_nvme(tmp_path, overlap_backward=True, overlap_mode="speculative").replace(
         schedule={"clip_grad_norm": 1.0})
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     placement = Placement.from_config(spec)
     assert TensorClass.GRAD in placement.stored_itemsizes(3, 2, 2)   # bf16 gradients on NVMe
     grads = sum(u.shard_numel for u in layout.units) * 2
@@ -401,7 +401,7 @@ def test_a_cpu_devices_compute_is_slowed_beside_the_disk_and_the_update_shares_o
     assert slowed.step_s == pytest.approx(alone.step_s)   # disk-bound: the compute hides under the disk either way
     assert slowed.totals()["io_wait_s"] < alone.totals()["io_wait_s"]
     # one disk: backward's own reads (its device tier is too small to keep forward's parameters) and the update's
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     t = tier_traffic(layout, cfg, cfg.tiers.host_bytes)
     assert t["read"]["backward"] > 0 and t["read"]["step"] > 0 and t["write"]["step"] > 0
     mixed_read, mixed_write = 0.6 * 1e6, 0.6 * 1e9   # plan_cases' at-once rates
@@ -432,7 +432,7 @@ def test_the_root_units_update_shows_after_an_overlapped_backward(tmp_path):
     from infinity.store import Tier
     cfg = _bf16_nvme(tmp_path, overlap_backward=True)
     slow = compute(2, block_s=1e3, root_s=1e3)   # compute far longer than the whole step's disk time
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, slow)
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
     t = tier_traffic(layout, cfg, cfg.tiers.host_bytes)
     read, write = t["root_job"]
@@ -476,7 +476,7 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
     the host tier fills to its budget with the parameter shards read from NVMe and kept clean until the
     backward reads them again."""
     from infinity.plan.planner import model_layout
-    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0, compute(2))
+    layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     root = sum(u.padded_numel for u in layout.units if u.is_root) * 2
     largest = max(u.padded_numel for u in layout.units if not u.is_root) * 2
     base = _bf16_nvme(tmp_path)
@@ -495,7 +495,7 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
     from infinity.zero.placement import Placement
     stage2 = base.replace(zero={"stage": 2}, offload={"params": "none"}, tiers={"host_bytes": "64MiB"})
     p2 = _predict(tmp_path, stage2, rates())
-    layout2 = model_layout(_request(tmp_path, param_dtype="bf16"), 2, "bf16", 0, compute(2))
+    layout2 = model_layout(_request(tmp_path, param_dtype="bf16"), 2, "bf16", 0)
     traffic = cost.tier_traffic(layout2, stage2, 64 * 2**20)
     written = traffic["write"]["backward"]
     assert written > 0
