@@ -334,7 +334,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, metavar="T",
                    help="tokens per rank per step (default: infinity train's default batch over --devices)")
     p.add_argument("--seq-len", type=int, default=None, metavar="L", help="sequence length (default as infinity train)")
-    p.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype (default bf16)")
+    p.add_argument("--param-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="precision.param_dtype (default auto: measured on this machine, infinity.precision)")
     p.add_argument("--swap-dir", default=None, metavar="DIR", help="nvme_path of the chosen config (default ./infinity_swap)")
     p.add_argument("--fix", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="plan with this knob fixed (repeatable), e.g. --fix zero.stage=3 --fix offload.optimizer=none")
@@ -549,7 +550,7 @@ def _run_train(args) -> int:
     elif s.get("steps"):
         offload = ", ".join(f"{k} {v}" for k, v in s["offload"].items() if v != "none") or "no offload"
         print(f"{s['model']}: {s['num_params']:,} params, {s['world_size']} rank(s), ZeRO-{s['stage']}, "
-              f"{s['param_dtype']}, {offload}")
+              f"{_dtypes(s)}, {offload}")
         ran = s["steps"] - s["start_step"]
         resumed = f" (resumed at step {s['start_step']})" if s["start_step"] else ""
         if s["first_loss"] is not None:
@@ -684,3 +685,9 @@ def _one_line(e: BaseException) -> str:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _dtypes(summary: dict) -> str:
+    """``bf16``, or ``bf16 stored, fp32 compute`` where they differ."""
+    stored, compute = summary["param_dtype"], summary.get("compute_dtype", summary["param_dtype"])
+    return stored if compute == stored else f"{stored} stored, {compute} compute"

@@ -250,7 +250,15 @@ class ZeroConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    param_dtype: str = _f("fp32", _choice(*DTYPES), "compute dtype of parameters in forward/backward")
+    param_dtype: str = _f(
+        "fp32", _choice("auto", *DTYPES), "dtype of the stored parameters (every tier, every gather) and, unless "
+        "compute_dtype says otherwise, of forward/backward. auto = bf16 where the hardware computes it natively "
+        "(CUDA 8.0+; a CPU where a short matmul probe finds bf16 faster than fp32), fp16 with loss scaling on "
+        "older CUDA devices, else fp32 compute (stored in bf16 where the parameters are offloaded)")
+    compute_dtype: str = _f(
+        "auto", _choice("auto", *DTYPES), "dtype forward/backward run in. auto = param_dtype (or, with param_dtype "
+        "auto, what its measurement chose). fp32 with bf16 parameters: stored and moved in bf16 (half the NVMe "
+        "reads and gathers), each gathered unit upcast once per use (stage 3 only; a CPU without fast bf16)")
     reduce_dtype: str = _f("fp32", _choice(*DTYPES), "dtype gradients are reduced in")
     loss_scale: Any = _f("dynamic", _loss_scale, "fp16 only: 'dynamic', 'none' or a fixed scale")
     initial_loss_scale: float = _f(2.0**16, _float(0.0, lo_open=True), "fp16 dynamic scaling: starting scale")
@@ -567,7 +575,7 @@ class Config:
             return "off"
         if opt.overlap_mode != "auto":
             return opt.overlap_mode
-        needs_all = self.schedule.clip_grad_norm is not None or self.precision.param_dtype == "fp16"
+        needs_all = self.schedule.clip_grad_norm is not None or self.precision.param_dtype in ("fp16", "auto")
         return "next_forward" if needs_all else "backward"
 
     def _check_finite(self):
@@ -600,7 +608,8 @@ class Config:
                 "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
         if self.optimizer.overlap_backward:
             self._check_overlap_backward()
-        if self.optimizer.master == "remainder" and self.precision.param_dtype != "bf16":
+        self._check_precision()
+        if self.optimizer.master == "remainder" and self.precision.param_dtype not in ("bf16", "auto"):
             raise ConfigError(
                 f"optimizer.master: remainder needs precision.param_dtype bf16, got {self.precision.param_dtype} "
                 "(the remainder is the fp32 master's low 16 bits beside a bf16 parameter's high 16; an fp16 "
@@ -622,6 +631,20 @@ class Config:
         if self.parallel.tensor > 1 and self.zeropp.enabled:
             raise ConfigError("zeropp: not with parallel.tensor > 1 yet (ZeRO++'s node groups assume consecutive "
                               "data-parallel ranks; with tensor parallelism they are parallel.tensor apart)")
+
+    def _check_precision(self):
+        param, compute = self.precision.param_dtype, self.precision.compute_dtype
+        if compute in ("auto", param) or param == "auto":
+            return
+        if compute != "fp32" or param != "bf16":
+            raise ConfigError(f"precision.compute_dtype: {compute} with param_dtype {param} is not a pair this "
+                              "runs; compute_dtype differs from param_dtype only as fp32 over bf16 parameters "
+                              "(for a 16-bit compute dtype set param_dtype to it: the fp32 master is the "
+                              "optimizer's anyway)")
+        if self.zero.stage != 3:
+            raise ConfigError(f"precision.compute_dtype: fp32 over bf16 parameters needs zero.stage 3 (each "
+                              f"gathered unit is upcast once per use), got stage {self.zero.stage}; at stages "
+                              "0-2 set param_dtype fp32")
 
     def _check_zeropp(self):
         pp, stage = self.zeropp, self.zero.stage

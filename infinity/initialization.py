@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from infinity.config import Config
+from infinity.precision import resolve_precision
 from infinity.store import host_cache
 from infinity.store.host_malloc import GLIBC_MAX_MMAP_THRESHOLD, fix_mmap_threshold, mmap_threshold
 from infinity.comm import watchdog
@@ -79,6 +80,7 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
     cfg = Config.load(config)
     _bound_host_heap(cfg)
     device = _init_distributed(cfg)
+    cfg = _resolve_precision(cfg, model, device)
     on_meta = is_meta_model(model)
     # A real model is not moved to the device first: the engine shards it from where it is, each unit's
     # flat buffer made on the device (so a model bigger than the GPU can be sharded, and the device
@@ -111,6 +113,20 @@ def initialize(model: nn.Module, config=None, params=None, init_fn=None, tp_plan
         raise
     _ENGINES[model] = weakref.ref(engine)
     return model, optimizer
+
+
+def _resolve_precision(cfg: Config, model: nn.Module, device: torch.device) -> Config:
+    """``precision`` with ``auto`` resolved (:mod:`infinity.precision`), rank 0's answer taken by every rank
+    (their probes could differ by noise, and ranks must agree on the dtypes they gather in)."""
+    agree, rank = None, 0
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        if dist.get_world_size() > 1:
+            def agree(choice):
+                box = [choice]
+                dist.broadcast_object_list(box, src=0)
+                return box[0]
+    return resolve_precision(cfg, model, device, agree=agree, announce=rank == 0)[0]
 
 
 def _bound_host_heap(cfg: Config) -> None:

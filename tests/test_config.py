@@ -95,7 +95,7 @@ def test_unknown_section_lists_valid_sections():
         ({"zero": {"stage": 5}}, r"zero\.stage: expected an integer in 0\.\.3, got 5"),
         ({"zero": {"stage": "3"}}, r"zero\.stage: expected an integer"),
         ({"zero": {"stage": True}}, r"zero\.stage: expected an integer"),
-        ({"precision": {"param_dtype": "fp8"}}, r"precision\.param_dtype: expected one of \['fp32', 'bf16', 'fp16'\]"),
+        ({"precision": {"param_dtype": "fp8"}}, r"precision\.param_dtype: expected one of \['auto', 'fp32', 'bf16', 'fp16'\]"),
         ({"optimizer": {"betas": [0.9]}}, r"optimizer\.betas: expected two numbers"),
         ({"optimizer": {"betas": [0.9, 1.0]}}, r"optimizer\.betas: each beta must be in \[0, 1\)"),
         ({"optimizer": {"lr": -1}}, r"optimizer\.lr: expected a number >= 0"),

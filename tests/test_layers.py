@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "infinity"
 # lowest first; a module may import its own layer and any lower one
-ORDER = ["transitions", "native_build", "config", "io", "trace", "store", "optim", "schedule", "comm", "parallel", "zero",
+ORDER = ["transitions", "native_build", "config", "precision", "io", "trace", "store", "optim", "schedule", "comm", "parallel", "zero",
          "initialization", "checkpoint", "estimate", "profile", "plan", "integrations", "train", "cli"]
 LEAVES = {"models", "data"}   # the demo model and corpus: usable from anywhere, importing only the config
 IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)

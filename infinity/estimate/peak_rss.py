@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
+from infinity.precision import nominal_dtypes
 from infinity.config import Config, format_size
 from infinity.store import Tier, host_cache
 from infinity.store.budget import resolve_budgets
@@ -150,7 +151,7 @@ def min_budgets(units: list, config: Config) -> dict:
     placement = Placement.from_config(config)
     if not placement.any_offload:
         return None
-    return placement.min_budgets(units, config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
+    return placement.min_budgets(units, config.zero.stage, DTYPES[nominal_dtypes(config.precision)[0]].itemsize,
                                  DTYPES[config.precision.reduce_dtype].itemsize)
 
 
@@ -180,17 +181,20 @@ def bound_for_model(build, config: Config, world_size: int = 1, forward=None,
     with torch.device("meta"):
         model = build()
     stage = config.zero.stage
-    param_dtype, reduce_dtype = DTYPES[config.precision.param_dtype], DTYPES[config.precision.reduce_dtype]
+    stored, compute = nominal_dtypes(config.precision)   # auto: as initialize would resolve it, nominally
+    param_dtype, compute_dtype = DTYPES[stored], DTYPES[compute]
+    reduce_dtype = DTYPES[config.precision.reduce_dtype]
     params = [p for p in model.parameters() if p.requires_grad]
     group_of = group_index(model, [{"params": params}])
     align = shard_align_numel({param_dtype, reduce_dtype, torch.float32})
     units = plan_units(model, group_of, config.zero.unit_classes, 1 if stage == 0 else world_size, align)
-    full = {u.name: u.padded_numel * param_dtype.itemsize for u in units}
+    held = max(param_dtype.itemsize, compute_dtype.itemsize)   # a gathered unit, upcast where compute is wider
+    full = {u.name: u.padded_numel * held for u in units}
     root = next((u.name for u in units if u.is_root), None)
     max_live = resolve_cap(config.prefetch.max_live_bytes, full, root) if stage == 3 else 0
     device = device if device is not None else torch.device("cpu")
-    if param_dtype != torch.float32:
-        model.to(param_dtype)   # the engine computes in the parameter dtype
+    if compute_dtype != torch.float32:
+        model.to(compute_dtype)   # the engine computes in the compute dtype
     activations = meta_activation_bytes(model, forward) if forward is not None else 0
     bound = predict_peak_rss(baseline, units, Placement.from_config(config), stage, param_dtype.itemsize,
                              reduce_dtype.itemsize, resolve_budgets(config.tiers, device), device.type == "cpu",

@@ -65,6 +65,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from infinity.precision import nominal_dtypes
 from infinity.optim.moment_codes import MOMENT_FORMATS
 
 __all__ = [
@@ -277,7 +278,8 @@ def estimate_config(config, num_params: int, world_size: int) -> Estimate:
     """The estimate for an :class:`infinity.Config`: its stage, offload tiers, dtypes, the optimizer's
     stored formats (``optimizer.master`` / ``moments``) and a speculative update's spares.
 
-    ``precision.param_dtype`` fp32 is the fp32 case; bf16/fp16 the mixed case.
+    ``precision.param_dtype`` fp32 is the fp32 case; bf16/fp16 the mixed case; ``auto`` is counted as
+    bf16 (:func:`~infinity.precision.nominal_dtypes`).
     """
     off = config.offload
 
@@ -286,10 +288,10 @@ def estimate_config(config, num_params: int, world_size: int) -> Estimate:
 
     placement = Placement("config", config.zero.stage, param=tier(off.params), grad=tier(off.grads),
                           optimizer=tier(off.optimizer))
-    prec = config.precision
-    precision = "fp32" if prec.param_dtype == "fp32" else "mixed"
+    stored, _ = nominal_dtypes(config.precision)   # auto: counted as bf16 (its answer wherever it offloads)
+    precision = "fp32" if stored == "fp32" else "mixed"
     state = state_bytes(precision, config.optimizer.master, config.optimizer.moments)
-    return estimate(num_params, world_size, placement, precision, prec.param_dtype, prec.reduce_dtype, state,
+    return estimate(num_params, world_size, placement, precision, stored, config.precision.reduce_dtype, state,
                     spares=config.update_overlap() == "speculative")
 
 

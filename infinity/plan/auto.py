@@ -22,6 +22,8 @@ at the micro-batch ``plan.tokens`` names.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 import os
 import sys
 import tempfile
@@ -32,12 +34,15 @@ import torch.nn as nn
 import yaml
 
 from infinity.config import ConfigError, parse_size
-from infinity.plan.planner import Plan, PlanRequest, describe, make_plan
+from infinity.plan.planner import Plan, PlanRequest, compute_dtype, describe, make_plan
+from infinity.precision import choose, model_shapes
 from infinity.plan.rates import PlanInputError, Rates, load_profile, measure_compute
 from infinity.store.host_malloc import release_free_heap
 
 __all__ = ["AUTO", "wants_auto", "read_auto", "rates_for", "run_plan", "plan_request", "plan_for_module",
            "PLAN_KEYS"]
+
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 PLAN_KEYS = ("profile", "host_bytes", "device_bytes", "tokens")
@@ -111,6 +116,12 @@ def run_plan(request: PlanRequest, rates: Rates, device: torch.device | None = N
     from infinity.zero.engine import DTYPES
     from infinity.zero.memory_report import rss_bytes, warm_torch
 
+    if request.param_dtype == "auto" and request.precision is None:   # measured here, as initialize would
+        with torch.device("meta"):
+            shapes = model_shapes(request.build())
+        request = dataclasses.replace(request, precision=choose(
+            device if device is not None else torch.device("cpu"), shapes, params_offloaded=True))
+        log.warning(request.precision.line())
     warm_torch()
     baseline = rss_bytes()   # before the timing's models come and go: a training process's start
     # each of `world` ranks on this machine computes on its share of the cores, all at once
@@ -120,7 +131,7 @@ def run_plan(request: PlanRequest, rates: Rates, device: torch.device | None = N
         # the median of 3 after the warm-up: one timed pass came out from 2% below to 30% above the
         # engine's own steps on GPT-2 small, run to run (tools/bench_plan.py)
         compute = measure_compute(request.build, request.loss_fn, request.batch, request.seq,
-                                  DTYPES[request.param_dtype], request.vocab_size, repeats=3)
+                                  DTYPES[compute_dtype(request)], request.vocab_size, repeats=3)
     finally:
         torch.set_num_threads(threads)
     return make_plan(request, rates, compute, device=device, baseline_bytes=baseline)
@@ -171,7 +182,7 @@ def plan_for_module(model: nn.Module, config, world: int = 1, say=None) -> tuple
         raise PlanInputError(f"offload: auto at initialize: {type(model).__name__} has no config.vocab_size; "
                              "plan it with `infinity plan` and pass the config it prints")
     template = _meta_copy(model)
-    dtype = (base.get("precision") or {}).get("param_dtype", "bf16")
+    dtype = (base.get("precision") or {}).get("param_dtype", "auto")
     nvme_path = (base.get("tiers") or {}).get("nvme_path") or os.path.join(tempfile.gettempdir(), "infinity_swap")
     request = PlanRequest(build=lambda: _meta_copy(template), loss_fn=_lm_loss, model_name=type(model).__name__,
                           vocab_size=vocab, batch=max(1, options.get("tokens", 2 * seq) // seq), seq=seq,

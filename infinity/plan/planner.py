@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from infinity.config import Config, ConfigError, format_size
+from infinity.precision import PrecisionChoice, nominal_dtypes
 from infinity.plan.cost import Layout, Prediction, predict
 from infinity.plan.rates import ComputeRates, PlanInputError, Rates
 from infinity.store import Tier
@@ -98,7 +99,8 @@ class PlanRequest:
     host_bytes: int | None = None
     device_bytes: int | None = None
     nvme_path: str | None = "infinity_swap"
-    param_dtype: str = "bf16"
+    param_dtype: str = "auto"          # precision.param_dtype; auto is resolved into ``precision`` first
+    precision: PrecisionChoice | None = None   # what auto measured (run_plan fills it)
     base: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)   # knob -> the one value to plan with ("zero.stage": 3)
 
@@ -204,11 +206,20 @@ def _config_sections(config: Config) -> dict:
     return config.to_dict()
 
 
+def compute_dtype(request: PlanRequest) -> str:
+    """The dtype the request's compute runs in (what its timing measured)."""
+    if request.precision is not None:
+        return request.precision.compute_dtype
+    if request.param_dtype == "auto":
+        raise ValueError("PlanRequest: param_dtype auto must be resolved (run_plan) before planning")
+    return request.param_dtype
+
+
 def model_layout(request: PlanRequest, stage: int, reduce_dtype: str, baseline_bytes: int) -> Layout:
     """The units ``initialize`` would cut (meta device) at ``stage``."""
     with torch.device("meta"):
         model = request.build()
-    param_dtype, reduce = DTYPES[request.param_dtype], DTYPES[reduce_dtype]
+    param_dtype, reduce = DTYPES[compute_dtype(request)], DTYPES[reduce_dtype]
     params = [p for p in model.parameters() if p.requires_grad]
     group_of = group_index(model, [{"params": params}])
     align = shard_align_numel({param_dtype, reduce, torch.float32})
@@ -225,7 +236,14 @@ def _candidate_dict(request: PlanRequest, knobs: dict, io: dict) -> dict:
     for key, value in knobs.items():
         section, name = key.split(".")
         d.setdefault(section, {})[name] = value
-    d.setdefault("precision", {})["param_dtype"] = request.param_dtype
+    prec = d.setdefault("precision", {})
+    if request.precision is not None:   # auto, measured: a bf16 store over fp32 compute only where it helps
+        prec["param_dtype"], prec["compute_dtype"] = request.precision.for_config(
+            _stored_params(knobs), knobs["optimizer.master"] == "remainder")
+    else:
+        prec["param_dtype"] = request.param_dtype
+        if prec.get("compute_dtype", "auto") == "auto":
+            prec["compute_dtype"] = request.param_dtype
     d.setdefault("tiers", {})["nvme_path"] = request.nvme_path
     d["io"] = {**d.get("io", {}), **io}
     return d
@@ -245,7 +263,7 @@ def _enumerate(request: PlanRequest, io: dict):
             continue
         if not knobs["optimizer.overlap_backward"] and knobs["optimizer.overlap_mode"] != dims["optimizer.overlap_mode"][-1]:
             continue   # where to overlap matters only when the update overlaps
-        if request.param_dtype == "fp32" and knobs["precision.reduce_dtype"] != "fp32":
+        if compute_dtype(request) == "fp32" and knobs["precision.reduce_dtype"] != "fp32":
             continue
         if knobs["optimizer.master"] != "fp32" and knobs["offload.optimizer"] == "none":
             continue   # a smaller master matters for what is stored and moved; in memory the fp32 one is kept
@@ -298,7 +316,7 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
             break
     unfit = sorted((c for c in choices if not c.fits and c.prediction is not None and c.step_s < chosen.step_s),
                    key=lambda c: c.step_s)[:2]
-    return Plan(request=request, rates=rates, compute={request.param_dtype: compute}, chosen=chosen,
+    return Plan(request=request, rates=rates, compute={compute_dtype(request): compute}, chosen=chosen,
                 alternatives=alts, faster_unfit=unfit, considered=len(choices),
                 budgets={Tier.HOST: host_grant, Tier.DEVICE: chosen.config.tiers.device_bytes})
 
@@ -318,7 +336,9 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     p_size = DTYPES[config.precision.param_dtype].itemsize
     r_size = DTYPES[config.precision.reduce_dtype].itemsize
     placement = Placement.from_config(config)
-    full = {u.name: u.padded_numel * p_size for u in layout.units}
+    # a gathered unit is held in the compute dtype once upcast (fp32 over bf16 parameters)
+    held = max(p_size, DTYPES[nominal_dtypes(config.precision)[1]].itemsize)
+    full = {u.name: u.padded_numel * held for u in layout.units}
     root = next((u.name for u in layout.units if u.is_root), None)
     # the cap bounds what is gathered at once, and so does the model: never more than all of it
     max_live = min(resolve_cap(config.prefetch.max_live_bytes, full, root), sum(full.values())) if stage == 3 else 0

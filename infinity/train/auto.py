@@ -19,7 +19,7 @@ __all__ = ["request_for_model", "plan_model", "plan_train_config"]
 
 
 def request_for_model(model: str, tokens: int | None = None, world: int = 1, host_bytes: int | None = None,
-                      device_bytes: int | None = None, swap_dir: str | None = None, param_dtype: str = "bf16",
+                      device_bytes: int | None = None, swap_dir: str | None = None, param_dtype: str = "auto",
                       base: dict | None = None, seq_len: int | None = None, fixed: dict | None = None) -> PlanRequest:
     """A request for ``--model`` at ``tokens`` per rank per step (default: the train job's default
     global batch over ``world`` ranks, at its default sequence length)."""
@@ -61,6 +61,6 @@ def plan_train_config(config, model: str, world: int, batch_size: int, seq_len: 
         host_bytes=host_bytes if host_bytes is not None else options.get("host_bytes"),
         device_bytes=device_bytes if device_bytes is not None else options.get("device_bytes"),
         swap_dir=swap_dir or (base.get("tiers") or {}).get("nvme_path"),
-        param_dtype=(base.get("precision") or {}).get("param_dtype", "bf16"), base=base, seq_len=seq_len)
+        param_dtype=(base.get("precision") or {}).get("param_dtype", "auto"), base=base, seq_len=seq_len)
     plan = plan_model(request, options.get("profile"), say)
     return plan.config_dict(), plan

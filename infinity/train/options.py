@@ -28,8 +28,8 @@ DEFAULT_SWAP_DIR = "infinity_swap"
 # Where the default config keeps the optimizer state and stage-3 parameter shards: NVMe files
 # (ZeRO-Infinity), with host memory as the cache in front of them.
 DEFAULT_OFFLOAD = {"optimizer": "nvme", "params": "nvme"}
-# Compute dtype of the default config; see default_config for the measurement behind the choice.
-DEFAULT_PARAM_DTYPE = "bf16"
+# Precision of the default config: measured where it runs (infinity.precision; see default_config).
+DEFAULT_PARAM_DTYPE = "auto"
 # Without --save-dir each run saves under its own DEFAULT_SAVE_ROOT/run-<time> (gitignored); --resume with no
 # path continues the newest of them.
 DEFAULT_SAVE_ROOT = "checkpoints"
@@ -45,14 +45,14 @@ DEFAULT_SCHEDULE = {"lr_schedule": "cosine", "warmup_steps": 5, "min_lr": DEFAUL
 def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 3) -> Config:
     """The config ``infinity train`` uses without ``--config``: ZeRO-3, state in NVMe files under ``swap_dir``.
 
-    Compute dtype: bf16 (fp32 master weights, Adam moments and gradient
-    reduction). On this machine's CPU (AMD EPYC with avx512_bf16, 2 cores) a
-    step of the default model runs 1.55x faster in bf16 than in fp32
-    (``tools/bench_train_dtype.py``: 2.73 vs 4.25 s/step, median of 6
-    alternating steps, under load from other processes), and bf16 also halves
-    the parameter bytes each stage-3 gather and each NVMe read moves. Use a
-    config with ``precision.param_dtype: fp32`` for runs that must match
-    plain PyTorch exactly. ``stage`` < 3 drops the parameter offload (only
+    Precision: ``auto`` (fp32 master weights, Adam moments and gradient
+    reduction): bf16 where this machine computes it natively (a CUDA device
+    of compute capability 8.0+; a CPU whose short matmul probe at the model's
+    shapes finds bf16 faster than fp32, as with ``avx512_bf16`` or AMX), else
+    fp32 compute over bf16-stored parameters (the stage-3 parameters are
+    offloaded: half the bytes each gather and NVMe read moves). The choice is
+    one log line. Use a config with ``precision.param_dtype: fp32`` for runs
+    that must match plain PyTorch exactly. ``stage`` < 3 drops the parameter offload (only
     stage 3 shards parameters), stage 0 the optimizer offload too.
 
     From stage 2 the offloaded update overlaps compute (``optimizer.overlap_backward``; the schedule

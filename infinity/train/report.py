@@ -72,8 +72,9 @@ class Reporter:
         rate = tokens / step_s if step_s > 0 else 0.0
         self.losses.append(loss)
         self.rates.append(rate)
+        prec = self.engine.config.precision   # resolved: what auto chose
         rec = {"step": step, "loss": loss, "tokens": tokens, "tokens_per_s": rate, "step_s": step_s,
-               "world_size": world_size}
+               "world_size": world_size, "param_dtype": prec.param_dtype, "compute_dtype": prec.compute_dtype}
         rec.update(extra)
         if "val_loss" in extra:
             self.val_losses.append((step, extra["val_loss"]))
@@ -98,7 +99,8 @@ class Reporter:
         later = self.rates[1:] or self.rates   # step 0 also records the gather order and warms allocators
         return {
             "model": self.run.model.text, "schedule": cfg.get("schedule"), "num_params": self.num_params, "world_size": world_size,
-            "stage": cfg["zero"]["stage"], "param_dtype": cfg["precision"]["param_dtype"],
+            "stage": cfg["zero"]["stage"], "param_dtype": self.engine.config.precision.param_dtype,
+            "compute_dtype": self.engine.config.precision.compute_dtype,
             "offload": cfg["offload"], "steps": steps_done, "steps_requested": self.run.steps,
             "interrupted": interrupted, "batch_size": self.run.batch_size, "seq_len": self.run.seq_len,
             "accum": self.run.accum, "lr": cfg["optimizer"]["lr"],

@@ -123,7 +123,10 @@ class ZeroEngine:
         self.tp = tensor_parallel
         self.world_rank = mesh.world_rank if mesh is not None else self.rank
         self.world_coll = Collectives(None) if self.tp is not None else self.coll
-        self.param_dtype = DTYPES[config.precision.param_dtype]
+        self.param_dtype = DTYPES[config.precision.param_dtype]   # stored, gathered
+        compute = config.precision.compute_dtype
+        # forward/backward; differs from the stored dtype only as fp32 over bf16 at stage 3 (the config checks)
+        self.compute_dtype = self.param_dtype if compute == "auto" else DTYPES[compute]
         self.reduce_dtype = DTYPES[config.precision.reduce_dtype]
         on_meta = meta.is_meta_model(model)
         self.device = device or next((p.device for p in model.parameters() if not on_meta), torch.device("cpu"))
@@ -143,7 +146,9 @@ class ZeroEngine:
         align = shard_align_numel({self.param_dtype, self.reduce_dtype, torch.float32})
         self.units = plan_units(model, group_of, config.zero.unit_classes, self.shard_world, align)
         check_structure(self.units, self.coll)
-        full_bytes = {u.index: u.padded_numel * _itemsize(self.param_dtype) for u in self.units}
+        # a gathered unit's bytes: in the compute dtype once upcast (the stored-dtype buffer is freed then)
+        held = max(_itemsize(self.param_dtype), _itemsize(self.compute_dtype))
+        full_bytes = {u.index: u.padded_numel * held for u in self.units}
         by_name = {u.name: full_bytes[u.index] for u in self.units}
         self._root = next((u for u in self.units if u.is_root), None)
         root_name = self._root.name if self._root is not None else None
@@ -172,7 +177,7 @@ class ZeroEngine:
             # device auto leaves room for what the step holds outside the store: gathered parameters
             # (stage 3: the live cap; else all), their gradients and one reduce bucket
             gathered = self.max_live_bytes if self.policy.shard_params else sum(full_bytes.values())
-            grads = gathered * _itemsize(self.reduce_dtype) // _itemsize(self.param_dtype)
+            grads = gathered * _itemsize(self.reduce_dtype) // held
             headroom = DeviceHeadroom(working_set_bytes=gathered + grads + config.zero.bucket_bytes)
             budgets = resolve_budgets(config.tiers, self.device, headroom)
             self.placement.check_budgets(self.units, *sizes, budgets)
@@ -260,6 +265,8 @@ class ZeroEngine:
         if self.update.speculation is not None:   # overlap_mode speculative: spare copies of what Adam writes
             shard.add_spares(spare_classes())
         unit.shard, unit.full_param = shard, full
+        if self.compute_dtype != self.param_dtype:   # each gather is upcast into it (UnitGathers.gather)
+            unit.compute_param = torch.empty(0, dtype=self.compute_dtype, device=full.device)
         if self.policy.shard_params:
             self.gathers.release(unit)
 

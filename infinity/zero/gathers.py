@@ -85,8 +85,19 @@ class UnitGathers:
             finally:
                 if g.done is not None:
                     g.done()   # the gather no longer reads its source (e.g. unpin the stored shard)
+                if unit.compute_param is not None:
+                    self._upcast(unit)
                 unit.transition(UnitState.GATHERED)
             self.tracer.add(f"all-gather {unit.name}", g.t0, time.perf_counter(), lane="comm")
+
+    def _upcast(self, unit) -> None:
+        """The gathered stored-dtype buffer into the compute-dtype one (refilled in place: autograd's saved
+        views hold that storage), then the stored-dtype buffer is freed: the parameters view the upcast."""
+        compute = unit.compute_param
+        self.buffers.fill(compute.untyped_storage(), unit.padded_numel * compute.element_size())
+        compute.set_(compute.untyped_storage(), 0, (unit.padded_numel,))
+        compute.copy_(unit.full_param)
+        self.buffers.empty(unit.full_param.untyped_storage())
 
     def release(self, unit) -> None:
         """Free the full buffer (parameters stay views of it, unusable until the next gather)."""
@@ -95,7 +106,9 @@ class UnitGathers:
         if unit.state is UnitState.GATHERED:
             unit.transition(UnitState.SHARDED)
             self.live.released(unit.index)
-            self.buffers.empty(unit.full_param.untyped_storage())
+            self.buffers.empty(unit.full_param.untyped_storage())   # (already empty once upcast)
+            if unit.compute_param is not None:
+                self.buffers.empty(unit.compute_param.untyped_storage())
         elif self.live.use(unit.index) is not UnitUse.IDLE:
             self.live.set_use(unit.index, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
 

@@ -113,7 +113,10 @@ class FlatUnit:
             else:
                 self.group_ranges.append((s.group_index, s.offset, s.offset + s.numel))
         self.state = UnitState.GATHERED
-        self.full_param: torch.Tensor | None = None   # compute dtype, padded_numel; storage freed when SHARDED
+        self.full_param: torch.Tensor | None = None   # stored dtype, padded_numel; storage freed when SHARDED
+        # a compute dtype wider than the stored one (fp32 over bf16): the gathered unit upcast, the buffer the
+        # parameters view while GATHERED (full_param's storage is freed once it is filled); else None
+        self.compute_param: torch.Tensor | None = None
         self.full_grad: torch.Tensor | None = None    # reduce dtype, padded_numel, while gradients accumulate
         self.shard: UnitShard | None = None
         # ---- runtime state of the step (reset by the engine; see the module doc)
@@ -151,14 +154,14 @@ class FlatUnit:
         """Parameters are views of the full buffer while it is live and empty tensors otherwise:
         reading a view of a freed storage would crash (segfault on CPU) instead of showing nothing.
         Autograd's saved views hold the storage object itself, which a gather refills in place."""
-        if self.full_param is None:
+        full = self.full_param if self.compute_param is None else self.compute_param
+        if full is None:
             return
         if live:
-            full = self.full_param
             for slot, p in zip(self.slots, self.params):
                 p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         else:
-            empty = self.full_param.new_empty(0)
+            empty = full.new_empty(0)
             for p in self.params:
                 p.data = empty
 
