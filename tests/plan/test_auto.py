@@ -64,7 +64,7 @@ def test_the_shipped_auto_config_asks_for_the_planner_and_plain_loading_says_so(
     path = REPO_CONFIGS / "auto.yaml"
     assert wants_auto(path) and wants_auto("auto") and not wants_auto(REPO_CONFIGS / "zero3.yaml")
     base, options = read_auto(path)
-    assert "offload" not in base and "plan" not in base and base["precision"]["param_dtype"] == "bf16"
+    assert "offload" not in base and "plan" not in base and base["precision"]["param_dtype"] == "auto"
     assert options == {}
     with pytest.raises(ConfigError, match="offload: auto asks the planner"):
         Config.from_file(path)

@@ -519,3 +519,24 @@ def test_timing_the_compute_leaves_nothing_of_the_timed_model_alive():
     gc.collect()
     left = [o for o in gc.get_objects() if type(o) is torch.nn.Parameter and id(o) not in before]
     assert left == [], f"{len(left)} parameters of the timed model outlived measure_compute"
+
+
+def test_measured_precision_stores_bf16_only_where_parameters_are_offloaded(tmp_path):
+    """``param_dtype: auto`` on a CPU without fast bf16 (its measured answer given): every candidate computes
+    in fp32; those that offload stage-3 parameters (or keep a remainder master) store them in bf16, the
+    rest store fp32; and the plan still picks among them."""
+    from infinity.plan.planner import _enumerate
+    from infinity.precision import PrecisionChoice
+
+    slow = PrecisionChoice("bf16", "fp32", "bf16 computes 80x slower")
+    req = _request(tmp_path, param_dtype="auto", precision=slow)
+    seen = set()
+    for knobs, config in _enumerate(req, {}):
+        stored_params = knobs["zero.stage"] == 3 and knobs["offload.params"] != "none"
+        bf16_store = stored_params or knobs["optimizer.master"] == "remainder"
+        assert config.precision.compute_dtype == "fp32"
+        assert config.precision.param_dtype == ("bf16" if bf16_store else "fp32"), knobs
+        seen.add(bf16_store)
+    assert seen == {True, False}
+    plan = make_plan(req, rates(), compute(2))
+    assert plan.chosen.fits and "fp32" in plan.compute
