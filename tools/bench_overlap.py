@@ -1,7 +1,8 @@
 """The overlapped update with the recipe people run (clipping + accumulation) beside its baselines, in one run.
 
-Same workload as ``tools/bench_scale.py`` (HF GPT-2 of ``--size``, bf16, everything on NVMe, the
-same init and batches), these variants, each in a child process with a fresh swap directory:
+Same workload as ``tools/bench_scale.py`` (HF GPT-2 of ``--size``, ``--precision`` (auto: measured on
+this CPU), everything on NVMe, the same init and batches), these variants, each in a child process with a
+fresh swap directory:
 
 - ``plain``: clip 1.0, ``--accum`` micro-batches, no overlap (the step after backward);
 - ``next_forward``: the same recipe with ``optimizer.overlap_backward`` (auto: the exact update runs
@@ -18,7 +19,8 @@ same init and batches), these variants, each in a child process with a fresh swa
 
 Prints each variant's median step time (forward + backward + step; the launched update's wait lands
 in the next forward) beside ``plain``'s, the ratios, and whether the clipped variants' losses are
-bitwise equal. Times are wall clock on whatever else the machine runs: say what ran beside it.
+bitwise equal. Times are wall clock on whatever else the machine runs: say what ran beside it. The JSON
+records the machine (``hardware``) and the dtypes each variant's engine resolved (``precision``).
 
 ``--phase-bytes 0,64MiB`` runs every variant once per ``io.phase_bytes`` (the disk's reads and writes
 mixed, or in phases), one after another in this invocation: ``variant@BYTES`` names a phased run and
@@ -42,7 +44,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_scale as bs  # noqa: E402  (the workload: model, init, batches)
+from hardware_note import line as hardware_line  # noqa: E402
 from infinity.config import parse_size  # noqa: E402
+from infinity.precision import hardware_record  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -102,9 +106,11 @@ def child(a) -> dict:
             print(f"[{a.variant}] step {step}{' (warm-up)' if step < a.warmup else ''} loss {loss_sum:.4f} "
                   f"norm {norm} {t3 - t0:.2f}s (fwd {fwd:.2f} bwd {bwd:.2f} step {t3 - t:.2f})", file=sys.stderr,
                   flush=True)
+        prec = engine.config.precision   # resolved: what auto chose
+        precision = {"param_dtype": prec.param_dtype, "compute_dtype": prec.compute_dtype}
     finally:
         engine.close()
-    return {"rows": rows}
+    return {"rows": rows, "precision": precision}
 
 
 def run_variant(a, variant: str) -> dict:
@@ -134,6 +140,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="measured steps per variant (the median is reported)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--precision", choices=bs.PRECISIONS, default="auto", help="precision.param_dtype (auto: "
+                   "measured on this CPU, as bench_scale's)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--phase-bytes", default="0", help="comma-separated io.phase_bytes values; each variant runs "
                    "once per value (0: the mixed queue)")
@@ -143,7 +151,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.n_layer, a.n_embd, a.n_head = bs.SIZES[a.size]
     a.seq, a.mbs, a.seed, a.threads = 256, 2, 1234, 2   # bench_scale's workload
-    a.swap_dir = None
+    a.swap_dir, a.config = None, None   # bench_scale's built-in config
+    torch.set_num_threads(a.threads)   # the record says the threads the children run with
+    hardware = hardware_record(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    print(hardware_line(hardware), file=sys.stderr, flush=True)
     phases_io = [parse_size(v.strip(), "--phase-bytes") for v in a.phase_bytes.split(",") if v.strip()] or [0]
     for v in a.variants.split(","):
         if v not in VARIANTS:
@@ -157,7 +168,8 @@ def main(argv=None) -> int:
     phases = {v: {k: statistics.median(r[k] for r in res["rows"][a.warmup:])
                   for k in ("forward_s", "backward_s", "optimizer_s")} for v, res in results.items()}
     out = {"workload": {k: getattr(a, k) for k in ("size", "host_bytes", "device_bytes", "accum", "warmup", "steps",
-                                                   "set", "seq", "mbs", "variants")},
+                                                   "set", "seq", "mbs", "variants", "precision")},
+           "hardware": hardware, "precision": {v: res["precision"] for v, res in results.items()},
            "median_step_s": med, "median_phase_s": phases, "results": results}
     if "plain" in med:
         out["over_plain"] = {v: m / med["plain"] for v, m in med.items()}
@@ -182,6 +194,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
     else:
+        print(hardware_line(hardware))
         for v, m in med.items():
             ph = phases[v]
             print(f"{v:14s} {m:7.2f} s/step (fwd {ph['forward_s']:.2f} bwd {ph['backward_s']:.2f} step "

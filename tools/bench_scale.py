@@ -1,21 +1,28 @@
 """Scale benchmark: a GPT-2 whose training state is far larger than memory, beside its baselines, in one run.
 
-    python tools/bench_scale.py --size 2.7b --json [--peer deepspeed] [--host-bytes 3GiB] [--dry-run]
+    python tools/bench_scale.py --size 2.7b --json [--peer deepspeed] [--precision auto] [--host-bytes 3GiB] [--dry-run]
 
 The workload is the one of ../shared/peers/README.md, so figures compare with the peers': transformers'
 ``GPT2LMHeadModel`` from ``GPT2Config`` (vocab 50257, n_positions 1024, tied embeddings, dropout 0, sdpa
 attention) built on the meta device and materialized unit by unit by ``infinity.initialize`` with the GPT-2
 init (normal 0.02, residual ``c_proj`` 0.02/sqrt(2 n_layer), LayerNorm 1/0; seed 1234, drawn in module
 order as the DeepSpeed peer's zero.Init path draws them); synthetic tokens uniform in [0, 1024), sequence
-256, micro-batch 2, one rank, 2 threads; bf16 compute, fp32 master; AdamW lr 6e-4, betas (0.9, 0.95), eps
-1e-8, weight decay 0.01; ZeRO-3 with parameters, gradients and optimizer on NVMe (``--set`` changes the
-config, e.g. ``--set optimizer.overlap_backward=true``).
+256, micro-batch 2, one rank, 2 threads; fp32 master; AdamW lr 6e-4, betas (0.9, 0.95), eps 1e-8, weight
+decay 0.01; ZeRO-3 with parameters, gradients and optimizer on NVMe (``--set`` changes the config, e.g.
+``--set optimizer.overlap_backward=true``).
+
+Precision (``--precision``, default ``auto``, or the ``--config`` file's ``precision.param_dtype``): infinity's
+``precision.param_dtype``; ``auto`` is resolved by :mod:`infinity.precision` (bf16 where this CPU's matmul probe
+finds it faster than fp32; else fp32 compute over bf16-stored parameters). The compute floor and the DeepSpeed
+peer compute in infinity's compute dtype (``peers.sh ... bf16|fp32``): on a CPU without native bf16 both sides
+run fp32, where bf16 would run some 50-90x slower and say nothing of either system. The JSON's ``precision``
+says what each side used, ``hardware`` the machine (:func:`infinity.precision.hardware_record`).
 
 What it prints, all measured in this invocation, one after the other, each in its own process:
 - step: median wall time of the measured steps (forward + backward + optimizer step and zero_grad) and
   its phases, timed around the three calls as the peer times its own; the losses;
-- compute floor: bf16 forward + backward with all weights in RAM, no optimizer: what no offload beats.
-  Where bf16 weights + grads exceed --floor-max-bytes it is measured at two smaller depths and
+- compute floor: forward + backward in the compute dtype with all weights in RAM, no optimizer: what no
+  offload beats. Where its weights + grads exceed --floor-max-bytes it is measured at two smaller depths and
   extrapolated linearly per layer (the output says so);
 - disk: O_DIRECT 8 MiB blocks on the swap directory's file system: writes alone, reads alone, then reads
   and writes at once (io.threads threads a side, time-boxed);
@@ -30,7 +37,8 @@ What it prints, all measured in this invocation, one after the other, each in it
 - bytes moved per step per tier pair (the store's counters) and the process's disk bytes (/proc/self/io);
   the swap directory's size after set-up and after the steps;
 - with --peer deepspeed: DeepSpeed ZeRO-Infinity on the same workload through ../shared/peers/peers.sh
-  (config E, pipelined, below 1B params; F0 from 1B), and the ratios infinity / DeepSpeed.
+  (config E, pipelined, below 1B params; F0 from 1B) in the same compute dtype, and the ratios infinity /
+  DeepSpeed (none where the two computed in different dtypes).
 The machine may be shared: the load average and other processes' CPU share per step are recorded.
 """
 
@@ -57,8 +65,10 @@ sys.path.insert(0, REPO)
 
 import torch
 
+from hardware_note import line as hardware_line
 from infinity.config import Config, ConfigError, format_size, parse_size
 from infinity.plan.auto import read_auto, wants_auto
+from infinity.precision import hardware_record, resolve_precision
 from infinity.store import Tier
 from infinity.zero.engine import DTYPES
 from infinity.zero.memory_report import reset_peak_rss
@@ -79,7 +89,18 @@ DS_SETUP = """DeepSpeed is not installed in {root}/venv ($PEERS_ROOT). Set it up
   apt-get install -y libaio-dev
   DS_BUILD_OPS=0 {root}/venv/bin/pip install --no-build-isolation deepspeed==0.19.8
   {root}/venv/bin/pip install --no-build-isolation transformers==5.24.0
+  {python} {tool} --fix-deepspeed-set-dtype   # for fp32: DeepSpeed's Init._set_dtype fix ({peers}/README.md)
   PEERS_ROOT={root} {peers}/peers.sh E tiny bf16 1 -- --warmup 1 --steps 1   # JIT-builds its ops: throw away"""
+# DeepSpeed 0.19.8's zero.Init._set_dtype, given a dtype or no config: `dtype or torch.float16 if <fp16 supported> else
+# torch.bfloat16 if <is_bf16_supported, never called> else torch.float32`. By precedence a given dtype only
+# counts where the accelerator supports fp16, and the uncalled method is always true: on a CPU without fp16
+# kernels a ZeRO-3 model asked for in fp32 is cast to bf16. The fix (../shared/peers/README.md) parenthesises
+# the fallback and calls the method.
+DS_SET_DTYPE_BUG = re.compile(r"dtype or torch\.float16 if get_accelerator\(\)\.is_fp16_supported\(\s*\)\s*else "
+                              r"torch\.bfloat16 if get_accelerator\(\)\.is_bf16_supported else torch\.float32")
+DS_SET_DTYPE_FIXED = ("dtype or (torch.float16 if get_accelerator().is_fp16_supported() else torch.bfloat16 "
+                      "if get_accelerator().is_bf16_supported() else torch.float32)")
+PRECISIONS = ("auto", "bf16", "fp32")   # --precision: infinity's precision.param_dtype
 
 
 # ---------------------------------------------------------------- the workload
@@ -127,8 +148,8 @@ WORKLOAD_OPTIMIZER = {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_dec
 
 
 def builtin_config(a) -> dict:
-    """The workload's own config: ZeRO-3, bf16, everything on NVMe, the grant as tier budgets."""
-    return {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
+    """The workload's own config: ZeRO-3, ``--precision``, everything on NVMe, the grant as tier budgets."""
+    return {"zero": {"stage": 3}, "precision": {"param_dtype": a.precision},
             "optimizer": {**WORKLOAD_OPTIMIZER, "threads": a.threads},
             "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme"},
             "tiers": {"host_bytes": a.host_bytes, "device_bytes": a.device_bytes, "nvme_path": a.swap_dir}}
@@ -137,18 +158,23 @@ def builtin_config(a) -> dict:
 def infinity_config(a) -> dict:
     """The built-in config, or ``--config``'s file with the workload's optimizer hyper-parameters, threads and
     swap directory put in (an ``offload: auto`` file gets the grant as its ``plan`` section's memory: the
-    planner then picks the rest at ``initialize``), then the ``--set`` overrides."""
+    planner then picks the rest at ``initialize``; ``--precision``, where given, replaces the file's
+    ``precision.param_dtype``), then the ``--set`` overrides."""
     import yaml
     if a.config:
         with open(a.config) as f:
             conf = yaml.safe_load(f) or {}
         conf.setdefault("optimizer", {}).update(WORKLOAD_OPTIMIZER, threads=a.threads)
+        if a.precision is None:   # the file's, else the default's
+            a.precision = (conf.get("precision") or {}).get("param_dtype", "auto")
+        conf.setdefault("precision", {})["param_dtype"] = a.precision
         conf.setdefault("tiers", {})["nvme_path"] = a.swap_dir
         if wants_auto(conf):
             conf["plan"] = {**(conf.get("plan") or {}), "host_bytes": a.host_bytes, "device_bytes": a.device_bytes}
         else:
             conf["tiers"].update(host_bytes=a.host_bytes, device_bytes=a.device_bytes)
     else:
+        a.precision = a.precision or "auto"
         conf = builtin_config(a)
     for item in a.set:   # section.key=value, the value read as YAML (true, 2GiB, 4, [0.9, 0.95])
         key, eq, value = item.partition("=")
@@ -173,7 +199,7 @@ def disk_need(a) -> dict:
     config is counted as the built-in one (everything on NVMe, fp32 master: the most the planner can store)."""
     config = Config.from_dict(builtin_config(a) if wants_auto(a.conf) else a.conf)
     placement = Placement.from_config(config)
-    sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[config.precision.param_dtype].itemsize,
+    sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[a.dtypes["infinity_stored"]].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
     # overlap_mode speculative: each class Adam writes has a spare copy beside it (Placement.copies)
     per_param = sum(n * placement.copies(cls) for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
@@ -199,6 +225,32 @@ def predicted_rss(a, baseline_bytes=None):
         return {"error": f"{type(e).__name__}: {e}"}
     return {"bound_without_activations": bound.to_dict(), "slack_fraction": SLACK_FRACTION,
             "min_budgets": {t.value: {"bytes": b, "why": why} for t, (b, why) in (need or {}).items()}}
+
+
+def resolve_dtypes(a) -> dict:
+    """What each side stores and computes in. infinity: its config's ``precision``, ``auto`` resolved by
+    :func:`infinity.precision.resolve_precision` on this CPU (the matmul probe at the model's shapes, cached
+    per machine: the training child's ``initialize`` finds the same answer). The compute floor and the peer
+    compute in infinity's compute dtype: DeepSpeed has no bf16-stored, fp32-computed mode, so where auto
+    stores bf16 and computes fp32 (a CPU without fast bf16) the peer runs fp32, and bf16 where bf16 is fast."""
+    from transformers import GPT2LMHeadModel
+    config = Config.from_dict(read_auto(a.conf)[0] if wants_auto(a.conf) else a.conf)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(model_config(a))
+    resolved, choice = resolve_precision(config, model, torch.device("cpu"), announce=False)
+    stored, compute = resolved.precision.param_dtype, resolved.precision.compute_dtype
+    return {"requested": a.precision, "infinity_stored": stored, "infinity_compute": compute,
+            "floor": compute, "deepspeed": compute if a.peer else None,
+            "auto_reason": choice.reason if choice else None, "probe_gflops": choice.gflops if choice else None}
+
+
+def precision_line(d: dict) -> str:
+    infinity = (d["infinity_compute"] if d["infinity_stored"] == d["infinity_compute"] else
+                f"{d['infinity_compute']} compute over {d['infinity_stored']}-stored parameters")
+    text = f"precision {d['requested']}: infinity {infinity}, compute floor {d['floor']}"
+    if d.get("deepspeed"):
+        text += f", DeepSpeed {d['deepspeed']}"
+    return text + (f" (auto: {d['auto_reason']})" if d.get("auto_reason") else "")
 
 
 # ---------------------------------------------------------------- what /proc says
@@ -296,8 +348,10 @@ def disk_bandwidth(root, nbytes, seconds, threads, block=8 << 20) -> dict:
 # ---------------------------------------------------------------- the measurements run in children
 
 def floor_depths(a) -> list:
-    """[n_layer] when bf16 weights + grads (4 B/param) fit in --floor-max-bytes, else two smaller depths."""
-    fit = int((a.floor_max_bytes / 4 - param_count(0, a.n_embd, a.seq)) // layer_numel(a.n_embd))
+    """[n_layer] when weights + grads in the floor's dtype (2 x its itemsize a param) fit in --floor-max-bytes,
+    else two smaller depths."""
+    per_param = 2 * DTYPES[a.dtypes["floor"]].itemsize
+    fit = int((a.floor_max_bytes / per_param - param_count(0, a.n_embd, a.seq)) // layer_numel(a.n_embd))
     return [a.n_layer] if fit >= a.n_layer else [max(1, fit // 2), max(2, fit)]
 
 
@@ -306,7 +360,7 @@ def child_floor(a) -> dict:
     depths, times, fastest, foreign = floor_depths(a), {}, {}, []
     for depth in depths:
         torch.manual_seed(a.seed)
-        torch.set_default_dtype(torch.bfloat16)   # built in bf16: no fp32 copy of the weights ever exists
+        torch.set_default_dtype(DTYPES[a.dtypes["floor"]])   # built in its dtype: no other copy ever exists
         model = GPT2LMHeadModel(model_config(a, depth)).train()
         torch.set_default_dtype(torch.float32)
         ts = []
@@ -321,7 +375,8 @@ def child_floor(a) -> dict:
         del model
     lo, hi = depths[0], depths[-1]
     at_depth = lambda t: t[hi] + (a.n_layer - hi) * ((t[hi] - t[lo]) / (hi - lo) if hi > lo else 0)
-    return {"floor_s": at_depth(times), "floor_min_s": at_depth(fastest), "extrapolated": len(depths) > 1,
+    return {"floor_s": at_depth(times), "floor_min_s": at_depth(fastest), "dtype": a.dtypes["floor"],
+            "extrapolated": len(depths) > 1,
             "measured_depths": depths, "median_s_at_depths": times, "foreign_cpu": foreign}
 
 
@@ -412,20 +467,69 @@ def run_child(kind, a) -> dict:
 
 # ---------------------------------------------------------------- the DeepSpeed peer
 
+def peers_root() -> str:
+    return os.environ.get("PEERS_ROOT", "/work/peers-out")
+
+
+def ds_partition_parameters(py: str) -> Path | None:
+    """The peers venv's ``deepspeed/runtime/zero/partition_parameters.py`` (found without importing
+    DeepSpeed), or None where DeepSpeed is not there."""
+    find = "import importlib.util as u; s = u.find_spec('deepspeed'); print(s.origin if s else '')"
+    p = subprocess.run([py, "-c", find], check=False, capture_output=True, text=True)
+    origin = p.stdout.strip() if p.returncode == 0 else ""
+    return Path(origin).parent / "runtime" / "zero" / "partition_parameters.py" if origin else None
+
+
+def ds_set_dtype_state(path: Path | None) -> str:
+    """``"fixed"``, ``"unfixed"`` (a given fp32 dtype is lost on a CPU without fp16 kernels: DS_SET_DTYPE_BUG)
+    or ``"unknown"`` (neither text: another DeepSpeed; or no such file)."""
+    if path is None or not path.exists():
+        return "unknown"
+    text = path.read_text()
+    return "unfixed" if DS_SET_DTYPE_BUG.search(text) else "fixed" if DS_SET_DTYPE_FIXED in text else "unknown"
+
+
+def fix_deepspeed_set_dtype() -> int:
+    """``--fix-deepspeed-set-dtype``: the peers README's fix of DeepSpeed's Init._set_dtype, applied to
+    $PEERS_ROOT/venv (the old file kept beside it as .orig)."""
+    py = os.path.join(peers_root(), "venv", "bin", "python")
+    path = ds_partition_parameters(py) if os.path.exists(py) else None
+    if path is None or not path.exists():
+        print(f"no DeepSpeed in {peers_root()}/venv ($PEERS_ROOT): set it up first", file=sys.stderr)
+        return 1
+    state = ds_set_dtype_state(path)
+    if state != "unfixed":
+        print(f"{path}: Init._set_dtype {'already fixed' if state == 'fixed' else 'not the 0.19.8 text: not changed'}")
+        return 0 if state == "fixed" else 1
+    text = path.read_text()
+    shutil.copy2(path, str(path) + ".orig")
+    path.write_text(DS_SET_DTYPE_BUG.sub(lambda m: DS_SET_DTYPE_FIXED, text, count=1))
+    print(f"{path}: Init._set_dtype fixed (a given dtype is kept; the original is {path.name}.orig beside it)")
+    return 0
+
+
 def run_deepspeed(a) -> dict:
-    root = os.environ.get("PEERS_ROOT", "/work/peers-out")
+    root, dtype = peers_root(), a.dtypes["deepspeed"]
     py, config = os.path.join(root, "venv", "bin", "python"), "E" if a.n_params < 1e9 else "F0"
     if not os.path.exists(py) or subprocess.run([py, "-c", "import deepspeed"], check=False,
                                                 capture_output=True).returncode:
-        return {"error": DS_SETUP.format(root=root, peers=a.peers_dir)}
+        return {"error": DS_SETUP.format(root=root, peers=a.peers_dir, python=sys.executable,
+                                         tool=os.path.abspath(__file__))}
     if a.size not in PEER_SIZES or a.n_layer != SIZES[a.size][0]:
         return {"error": f"the peers' scripts know {', '.join(PEER_SIZES)} at their own depth, not {a.size} "
                          f"with {a.n_layer} layers"}
-    name = f"bench_scale_{config}_{a.size}"
+    if dtype not in ("bf16", "fp32"):
+        return {"error": f"infinity computes in {dtype}; the peers' scripts run bf16 or fp32 only"}
+    set_dtype = ds_set_dtype_state(ds_partition_parameters(py))
+    if dtype == "fp32" and set_dtype == "unfixed":
+        return {"error": f"DeepSpeed in {root}/venv would cast the fp32 model to bf16 (Init._set_dtype, "
+                         f"{a.peers_dir}/README.md); fix it once: PEERS_ROOT={root} {sys.executable} "
+                         f"{os.path.abspath(__file__)} --fix-deepspeed-set-dtype"}
+    name = f"bench_scale_{config}_{a.size}_{dtype}"
     env = dict(os.environ, PEERS_ROOT=root, PEERS_NAME=name, PEERS_SWAP=os.path.join(a.swap_root, "deepspeed"),
                PEERS_IDLE_WAIT_S=os.environ.get("PEERS_IDLE_WAIT_S", "0"),   # no idle gate: measured as we are
                PEERS_MAX_EXTRA=os.environ.get("PEERS_MAX_EXTRA", "0"))       # and over as many steps
-    cmd = [os.path.join(a.peers_dir, "peers.sh"), config, a.size, "bf16", "1", "--", "--warmup", str(a.warmup),
+    cmd = [os.path.join(a.peers_dir, "peers.sh"), config, a.size, dtype, "1", "--", "--warmup", str(a.warmup),
            "--steps", str(a.steps), "--threads", str(a.threads), "--seq", str(a.seq), "--mbs", str(a.mbs)]
     print(f"[deepspeed] {' '.join(cmd)}", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, check=False, env=env, stdout=sys.stderr, timeout=a.timeout_s)
@@ -433,7 +537,8 @@ def run_deepspeed(a) -> dict:
     res = json.loads(path.read_text()) if path.exists() else {}
     if p.returncode or "step_median_s" not in res:
         return {"error": f"peers.sh {config} failed (exit {p.returncode}); its log: {root}/logs/{name}.log"}
-    return {"config": config, "step_s": res["step_median_s"], "losses": res.get("losses"),
+    return {"config": config, "dtype": dtype, "set_dtype_fix": set_dtype, "step_s": res["step_median_s"],
+            "losses": res.get("losses"),
             "phases_s": {"forward_s": res["fwd_median_s"], "backward_s": res["bwd_median_s"],
                          "optimizer_s": res["opt_median_s"]},
             "peak_rss": res["peak_rss_train_per_rank"][0], "peak_rss_incl_setup": res["peak_rss_per_rank"][0],
@@ -458,6 +563,9 @@ def parse_args(argv):
                     "picks at initialize within --host-bytes / --device-bytes, which an auto config takes as all the "
                     "device memory the engine may use); the workload's optimizer hyper-parameters are kept")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="infinity config override")
+    ap.add_argument("--precision", choices=PRECISIONS, help="infinity's precision.param_dtype (default: the --config "
+                    "file's, else auto: measured on this CPU); the compute floor and the peer compute in infinity's "
+                    "compute dtype (auto on a CPU without fast bf16: fp32)")
     ap.add_argument("--peer", choices=["deepspeed"], help="also run DeepSpeed ZeRO-Infinity (../shared/peers)")
     ap.add_argument("--peers-dir", default=os.environ.get("PEERS_DIR", os.path.join(os.path.dirname(REPO), "shared",
                                                                                   "peers")))
@@ -468,6 +576,8 @@ def parse_args(argv):
     ap.add_argument("--timeout-s", type=float, default=4 * 3600, help="per child process")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout (the progress goes to stderr)")
     ap.add_argument("--dry-run", action="store_true", help="print the config, parameters and disk check; run nothing")
+    ap.add_argument("--fix-deepspeed-set-dtype", action="store_true", help="apply the peers README's fix of "
+                    "DeepSpeed's Init._set_dtype to $PEERS_ROOT/venv (fp32 peer runs need it) and exit")
     a = ap.parse_args(argv)
     _, a.n_embd, a.n_head = SIZES[a.size]
     a.n_layer = a.n_layer or SIZES[a.size][0]
@@ -502,17 +612,19 @@ def report(r):
     """The human-readable summary of the JSON ``r``."""
     g, w, i, d, f = (lambda n: f"{n / 1e9:.2f} GB"), r["workload"], r["infinity"], r["disk"], r["floor"]
     phases = "fwd {forward_s:.2f} / bwd {backward_s:.2f} / step {optimizer_s:.2f}".format
+    print(hardware_line(r["hardware"]))
     print(f"GPT-2 {w['size']} ({w['n_layer']}x{w['n_embd']}x{w['n_head']}, {w['n_params'] / 1e9:.3f}B params), seq "
-          f"{w['seq']} x {w['mbs']}, bf16 + fp32 master, ZeRO-3, params + grads + optimizer on NVMe; {w['warmup']} "
+          f"{w['seq']} x {w['mbs']}, fp32 master, ZeRO-3, params + grads + optimizer on NVMe; {w['warmup']} "
           f"warm-up + {w['steps']} measured steps (medians); code {r['code']}")
+    print(precision_line(r["precision"]))
     print(f"budgets: host {r['budgets']['host_bytes']}, device {r['budgets']['device_bytes']} (RAM on CPU); swap on "
           f"{r['swap_fs']}; load average before {' '.join(r['load_before'])}, after {' '.join(r['load_after'])}")
     print(f"disk ({'O_DIRECT' if d['direct'] else 'buffered'} 8 MiB, {d['threads_each_side']} threads a side): write "
           f"{g(d['write_alone_Bps'])}/s, read {g(d['read_alone_Bps'])}/s alone; at once: read "
           f"{g(d['mixed_read_Bps'])}/s + write {g(d['mixed_write_Bps'])}/s")
     how = f", measured at {f['measured_depths']} layers and extrapolated per layer" if f["extrapolated"] else ""
-    print(f"compute floor: {f['floor_s']:.2f} s (fastest step {f['floor_min_s']:.2f} s), bf16 forward+backward, "
-          f"weights in RAM{how}; other processes' CPU per step {f['foreign_cpu']}")
+    print(f"compute floor: {f['floor_s']:.2f} s (fastest step {f['floor_min_s']:.2f} s), {f['dtype']} forward + "
+          f"backward, weights in RAM{how}; other processes' CPU per step {f['foreign_cpu']}")
     b, m = r["io_bound"], i["memory_breakdown"]
     if wants_auto(r["infinity_config"]):
         c = i["engine_config"]
@@ -539,11 +651,12 @@ def report(r):
     if p and "error" in p:
         print(f"deepspeed: NOT MEASURED: {p['error']}")
     elif p:
-        print(f"deepspeed ({p['config']}): step {p['step_s']:.2f} s ({phases(**p['phases_s'])}); peak RSS "
-              f"{p['peak_rss'] / GIB:.2f} GiB; disk read {g(p['disk_read_bytes_per_step'])}, write "
+        print(f"deepspeed ({p['config']}, {p['dtype']}): step {p['step_s']:.2f} s ({phases(**p['phases_s'])}); "
+              f"peak RSS {p['peak_rss'] / GIB:.2f} GiB; disk read {g(p['disk_read_bytes_per_step'])}, write "
               f"{g(p['disk_write_bytes_per_step'])} per step; I/O bound {p['io_bound_s']:.2f} s; losses {p['losses']}; "
               f"other processes' CPU per step {p['foreign_cpu']}")
-        print("infinity / deepspeed: " + ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items()))
+        print("infinity / deepspeed: " + (", ".join(f"{k} {v:.2f}x" for k, v in r["ratios"].items())
+                                          if "ratios" in r else r["ratios_withheld"]))
 
 
 def main(argv=None) -> int:
@@ -553,9 +666,16 @@ def main(argv=None) -> int:
         Path(a.child_out).write_text(json.dumps(child_floor(a) if a.child == "floor" else child_train(a), default=str))
         return 0
     a = parse_args(argv)
+    if a.fix_deepspeed_set_dtype:
+        return fix_deepspeed_set_dtype()
+    torch.set_num_threads(a.threads)   # the record says the threads the children run with
+    hardware = hardware_record(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    print(hardware_line(hardware), file=sys.stderr, flush=True)
     parent, fs = swap_parent(a)
     a.swap_dir = os.path.join(parent, "bench_scale_<fresh>")   # named for real once the run starts
     a.conf = infinity_config(a)
+    a.dtypes = resolve_dtypes(a)
+    print(precision_line(a.dtypes), file=sys.stderr, flush=True)
     need, free = disk_need(a), shutil.disk_usage(parent).free
     per_param = max(need["infinity_swap"], need["deepspeed_swap"]) / a.n_params
     largest = int(((free - 5 * GIB) / per_param - param_count(0, a.n_embd, a.seq)) // layer_numel(a.n_embd))
@@ -568,9 +688,10 @@ def main(argv=None) -> int:
         assert built == a.n_params, f"parameter count: formula {a.n_params}, model {built}"
         depths = floor_depths(a)
         floor = f"full depth {depths[0]}" if len(depths) == 1 else \
-            f"at {depths} layers, extrapolated per layer (bf16 weights + grads past --floor-max-bytes)"
+            f"at {depths} layers, extrapolated per layer ({a.dtypes['floor']} weights + grads past --floor-max-bytes)"
         print(json.dumps({"workload": workload, "training_state_bytes_16_per_param": 16 * a.n_params,
-                          "infinity_config": a.conf, "swap_parent": parent, "swap_fs": fs, "disk_need_bytes": need,
+                          "hardware": hardware, "precision": a.dtypes, "infinity_config": a.conf,
+                          "swap_parent": parent, "swap_fs": fs, "disk_need_bytes": need,
                           "disk_free_bytes": free, "largest_n_layer_for_free_disk": largest, "compute_floor": floor,
                           "predicted_rss": predicted_rss(a), "peer": a.peer and ("E" if a.n_params < 1e9 else "F0")},
                          indent=1))
@@ -585,7 +706,8 @@ def main(argv=None) -> int:
     a.swap_root = tempfile.mkdtemp(prefix="bench_scale_", dir=parent)
     a.swap_dir = os.path.join(a.swap_root, "infinity")
     a.conf = infinity_config(a)
-    r = {"workload": workload, "budgets": {"host_bytes": a.host_bytes, "device_bytes": a.device_bytes},
+    r = {"workload": workload, "hardware": hardware, "precision": a.dtypes,
+         "budgets": {"host_bytes": a.host_bytes, "device_bytes": a.device_bytes},
          "infinity_config": a.conf, "swap_fs": fs, "code": code_version(),
          "load_before": Path("/proc/loadavg").read_text().split()[:3]}
     try:
@@ -595,6 +717,8 @@ def main(argv=None) -> int:
         r["disk"] = d = disk_bandwidth(a.swap_root, a.disk_bytes, a.disk_seconds, threads)
         r["floor"] = run_child("floor", a)
         r["infinity"] = i = run_child("train", a)
+        ran = i["engine_config"]["precision"]   # what initialize resolved, on the engine's device
+        r["precision"].update(infinity_stored=ran["param_dtype"], infinity_compute=ran["compute_dtype"])
         rd, wr = i["moved_bytes_per_step"].get("nvme->host", 0), i["moved_bytes_per_step"].get("host->nvme", 0)
         bound = max(rd / d["mixed_read_Bps"], wr / d["mixed_write_Bps"])
         serial = rd / d["read_alone_Bps"] + wr / d["write_alone_Bps"]
@@ -611,10 +735,14 @@ def main(argv=None) -> int:
             r["deepspeed"] = p = run_deepspeed(a)
             if "error" not in p:
                 moved = lambda x: x["disk_read_bytes_per_step"] + x["disk_write_bytes_per_step"]
-                r["ratios"] = {"step": i["step_s"] / p["step_s"], "peak_rss": i["peak_rss"] / p["peak_rss"],
-                               "disk_bytes": moved(i) / max(1, moved(p))}
                 p["io_bound_s"] = max(p["disk_read_bytes_per_step"] / d["mixed_read_Bps"],
                                       p["disk_write_bytes_per_step"] / d["mixed_write_Bps"])
+                if p["dtype"] == ran["compute_dtype"]:
+                    r["ratios"] = {"step": i["step_s"] / p["step_s"], "peak_rss": i["peak_rss"] / p["peak_rss"],
+                                   "disk_bytes": moved(i) / max(1, moved(p))}
+                else:   # the engine resolved auto otherwise than this CPU's probe (it ran on another device)
+                    r["ratios_withheld"] = (f"infinity computed in {ran['compute_dtype']}, DeepSpeed in "
+                                            f"{p['dtype']}: no ratio between them")
     finally:
         shutil.rmtree(a.swap_root, ignore_errors=True)
     r["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
