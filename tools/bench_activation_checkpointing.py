@@ -13,7 +13,8 @@ RSS over the measured steps (VmHWM, reset after the warm-up via
 forward (unique storages; the recompute's own saves in backward are not
 counted, as they live only while that unit's backward runs). Children run
 alternately off / on for ``--rounds`` rounds, so machine load hits both alike;
-medians over rounds, and the ratio on / off.
+medians over rounds, and the ratio on / off. The machine (``infinity.precision.hardware_record``) and the
+dtypes the engine ran in are printed and recorded beside the figures.
 """
 
 from __future__ import annotations
@@ -70,9 +71,12 @@ def child(args) -> dict:
         losses.append(loss.item())
         if i > 0:
             times.append(time.perf_counter() - t0)
-    infinity.engine_of(model).close()
+    engine = infinity.engine_of(model)
+    precision = {"param_dtype": engine.config.precision.param_dtype,
+                 "compute_dtype": engine.config.precision.compute_dtype}
+    engine.close()
     return {"step_s": statistics.median(times), "peak_rss_bytes": read_peak_rss(), "hwm_reset": reset,
-            "saved_activation_bytes": sum(saved.values()), "losses": losses}
+            "saved_activation_bytes": sum(saved.values()), "losses": losses, "precision": precision}
 
 
 def main() -> None:
@@ -90,6 +94,13 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
+    import torch
+
+    from hardware_note import line as hardware_line
+    from infinity.precision import hardware_record
+
+    torch.set_num_threads(args.threads)   # the record says the children's threads
+    hardware = hardware_record("cpu")
 
     runs = {"off": [], "on": []}
     for r in range(args.rounds):
@@ -115,12 +126,16 @@ def main() -> None:
     for k, v in summary.items():
         v["ratio_on_over_off"] = v["on"] / v["off"]
     same_losses = all(a["losses"] == b["losses"] for a, b in zip(runs["off"], runs["on"]))
+    precision = runs["off"][0]["precision"]
     report = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "rounds": args.rounds,
+              "hardware": hardware, "precision": precision,
               "medians": summary, "losses_bitwise_equal": same_losses, "runs": runs}
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"{args.model}, batch {args.batch} x {args.seq} tokens, ZeRO-3 in memory, bf16; medians of {args.rounds}")
+    print(hardware_line(hardware))
+    print(f"{args.model}, batch {args.batch} x {args.seq} tokens, ZeRO-3 in memory, {precision['compute_dtype']}; "
+          f"medians of {args.rounds}")
     print(f"{'':24}{'off':>12}{'on':>12}{'on / off':>10}")
     for k, unit, scale in (("step_s", "s", 1), ("peak_rss_bytes", "GiB", 2**30), ("saved_activation_bytes", "MiB", 2**20)):
         v = summary[k]
