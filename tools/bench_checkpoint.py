@@ -7,7 +7,8 @@ parameter) next to the baseline measured in the same run: one file of the
 same size written with ``write`` + ``fsync`` (save), read back with
 ``readinto`` (load; the page cache is warm for both, as it is right after a
 save), and for consolidate the fp32 parameter bytes (4 a parameter) written
-the same way. The ratio is checkpoint / baseline (1.0 = disk-bound).
+the same way. The ratio is checkpoint / baseline (1.0 = disk-bound). The machine
+(``infinity.precision.hardware_record``) and the engine's dtypes are recorded beside the figures.
 
     python tools/bench_checkpoint.py --model 125m --repeat 3
 """
@@ -24,6 +25,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from hardware_note import line as hardware_line
+from infinity.precision import hardware_record
 
 
 def _raw_write(path: Path, nbytes: int, chunk_bytes: int = 64 * 2**20) -> float:
@@ -65,7 +69,10 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.dir))
     try:
         model, opt = infinity.initialize(GPT(gpt_config(args.model)), {"zero": {"stage": 1}})
-        n_params = sum(u.numel for u in infinity.engine_of(model).units)
+        engine = infinity.engine_of(model)
+        n_params = sum(u.numel for u in engine.units)
+        precision = {"param_dtype": engine.config.precision.param_dtype,
+                     "compute_dtype": engine.config.precision.compute_dtype}
         state_bytes, param_bytes = 12 * n_params, 4 * n_params
         times: dict = {k: [] for k in ("save", "load", "consolidate", "raw_write", "raw_read", "raw_write_params")}
         for i in range(args.repeat):
@@ -96,10 +103,12 @@ def main() -> None:
         "consolidate": (gbps("consolidate", param_bytes), gbps("raw_write_params", param_bytes)),
     }
     out = {"model": args.model, "params": n_params, "state_bytes": state_bytes,
+           "hardware": hardware_record("cpu"), "precision": precision,
            "rows": {k: {"gbps": a, "baseline_gbps": b, "ratio": a / b} for k, (a, b) in rows.items()}}
     if args.json:
         print(json.dumps(out, indent=2))
         return
+    print(hardware_line(out["hardware"]))
     print(f"GPT {args.model}: {n_params:,} params, {state_bytes / 1e9:.3f} GB of optimizer state")
     for k, (a, b) in rows.items():
         print(f"  {k:12s} {a:6.2f} GB/s   baseline {b:6.2f} GB/s   ratio {a / b:.2f}")
