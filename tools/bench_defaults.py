@@ -10,7 +10,9 @@ auto`` (the planner, with ``--profile`` or a quick profile measured at start-up)
 is the median of its ``--metrics`` lines after the first two (the first records the gather order, the
 second still warms the page cache), and its peak RSS the largest the metrics report. Prints each
 beside the fastest hand-written one, auto's ratio to it last; evaluation and saving are off so only
-steps are timed. A config that does not fit the grant is reported with its error, not fatal.
+steps are timed. A config that does not fit the grant is reported with its error, not fatal. Each row
+records the dtypes its run resolved (the default's ``precision.param_dtype: auto`` is measured where it
+runs), and the output the machine (``infinity.precision.hardware_record``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from hardware_note import line as hardware_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30
@@ -53,6 +57,7 @@ def _run(config: str | None, a, root: str) -> dict:
     peaks = [r["memory"]["peak_rss_bytes"] for r in rows if (r.get("memory") or {}).get("peak_rss_bytes")]
     chosen = next((ln for ln in proc.stderr.splitlines() if "chosen" in ln), None)
     return {"config": name, "step_s": statistics.median(r["step_s"] for r in later),
+            "param_dtype": rows[-1].get("param_dtype"), "compute_dtype": rows[-1].get("compute_dtype"),
             "peak_rss_bytes": max(peaks) if peaks else None, "steps": len(rows), "chosen": chosen,
             "final_loss": rows[-1]["loss"], "load": round(os.getloadavg()[0], 2)}
 
@@ -81,6 +86,10 @@ def main() -> None:
     ap.add_argument("--configs", default=None, help="comma-separated hand-written configs (default: configs/*)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    from infinity.precision import hardware_record
+    hardware = hardware_record("cpu")   # infinity train's threads: the same default as this process's
+    if not a.json:
+        print(hardware_line(hardware), flush=True)
     hand = (a.configs.split(",") if a.configs else
             sorted(p for p in glob.glob(os.path.join(REPO, "configs", "*.yaml")) if not p.endswith("auto.yaml")))
     root = tempfile.mkdtemp(prefix="bench-defaults-", dir=os.getcwd())
@@ -95,7 +104,7 @@ def main() -> None:
                 else:
                     rss = f"{r['peak_rss_bytes'] / GIB:5.2f} GiB" if r["peak_rss_bytes"] else "n/a"
                     print(f"{r['config']:28s} {r['step_s']:7.3f} s  peak RSS {rss}  loss {r['final_loss']:.4f}  "
-                          f"(load {r['load']})", flush=True)
+                          f"{r['compute_dtype']}  (load {r['load']})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     timed = [r for r in rows[:-1] if r["step_s"] is not None]
@@ -104,7 +113,7 @@ def main() -> None:
     summary = {"best_hand": best["config"] if best else None,
                "auto_over_best": auto["step_s"] / best["step_s"] if best and auto["step_s"] else None}
     if a.json:
-        print(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        print(json.dumps({"hardware": hardware, "rows": rows, "summary": summary}, indent=2))
     elif summary["auto_over_best"] is not None:
         print(f"auto {auto['step_s']:.3f} s = {summary['auto_over_best']:.2f}x the fastest hand-written config "
               f"({best['config']}, {best['step_s']:.3f} s); auto's plan: {auto['chosen']}")
