@@ -12,7 +12,8 @@ Measures, on one directory (default: a fresh temp dir under /work):
 - aiofiles_read_gbps: aiofiles (buffered, it has no O_DIRECT) reading the raw file in
   block_bytes chunks; null when aiofiles is not installed.
 Reads are cold: page cache dropped (as root) before each read pass; "cold_cache" says if not.
-With --runs N every figure is the median over N runs (all values under "runs").
+With --runs N every figure is the median over N runs (all values under "runs"). The machine
+(``infinity.precision.hardware_record``: the CPU runs the checksums and the copies) is recorded beside them.
 
 With ``--mixed 0,64MiB,...`` each run also times reads and writes at once, as the optimizer step
 moves them (read tensor i while writing a new one, at most ``--window`` of each kind in flight, the
@@ -42,10 +43,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from hardware_note import line as hardware_line  # noqa: E402
 from infinity.config import IOConfig, parse_size  # noqa: E402
 from infinity.io import ExtentFile, IOEngine, aligned_empty, probe_direct_io  # noqa: E402
 from infinity.io.buffers import tensor_bytes_view  # noqa: E402
 from infinity.io.syscalls import O_DIRECT  # noqa: E402
+from infinity.precision import hardware_record  # noqa: E402
 
 try:
     import aiofiles
@@ -286,6 +289,7 @@ def main(argv=None) -> int:
     result = {
         "bytes": args.bytes, "tensor_bytes": args.tensor_bytes, "dir": parent, "fs_type": fs_type(parent),
         "mode": mode, "block_bytes": io.block_bytes, "threads": io.threads, "queue_depth": io.queue_depth,
+        "hardware": hardware_record("cpu"),
         "baseline": "raw_*_gbps: one thread, sequential O_DIRECT preadv/pwritev of block_bytes, same file "
                     "system, same run; raw_*_gbps_threads: the same at the engine's thread count",
         **{k: med(k) for k in keys},
@@ -305,8 +309,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=None))
     else:
+        print(hardware_line(result["hardware"]))
         for k, v in result.items():
-            if k != "runs":
+            if k not in ("runs", "hardware"):
                 print(f"{k:28s} {v:.3f}" if isinstance(v, float) else f"{k:28s} {v}")
     return 0
 
