@@ -11,6 +11,7 @@
 - cycle_gbps / cycle_evictions: bring every key to a device tier holding a quarter of them,
   twice over (NVMe-homed, host tier holding half): the over-subscribed path end to end.
 Reads use O_DIRECT where the file system takes it, so the page cache does not flatter them.
+The machine (``infinity.precision.hardware_record``) is recorded beside the figures.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from hardware_note import line as hardware_line  # noqa: E402
 from infinity.config import IOConfig, TiersConfig, parse_size  # noqa: E402
 from infinity.io import ExtentFile, IOEngine, aligned_empty  # noqa: E402
+from infinity.precision import hardware_record  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 
 
@@ -59,7 +62,7 @@ def main() -> None:
     total = n * each
     io = IOConfig()
     tensors = [torch.randint(0, 255, (each,), dtype=torch.uint8) for _ in range(n)]
-    out = {"bytes": total, "tensor_bytes": each, "tensors": n}
+    out = {"bytes": total, "tensor_bytes": each, "tensors": n, "hardware": hardware_record("cpu")}
 
     with tempfile.TemporaryDirectory(dir=args.dir or "/work") as d:
         out["raw_read_gbps"] = gbps(total, raw_read(d, tensors, io))
@@ -104,6 +107,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(out, indent=1))
     else:
+        print(hardware_line(out["hardware"]))
         print(f"NVMe->host  store {out['nvme_to_host_gbps']:.2f} GB/s   raw ExtentFile {out['raw_read_gbps']:.2f} GB/s"
               f"   ratio {out['read_ratio']:.2f}  ({out['io_mode']})")
         print(f"host->device store {out['host_to_device_gbps']:.2f} GB/s   memcpy {out['memcpy_gbps']:.2f} GB/s"
