@@ -31,6 +31,9 @@
    to about a minute on a 2-core box. ``--batch 4`` halves compute, and the step's I/O (~830 MB,
    at this disk's bound) then shows more. Offloaded budgets: host 96 MiB, device 64 MiB,
    max_live 64 MiB, so the offloaded run holds ~1/3 of the state's size in its tiers at most.
+
+Every section's figures run on this machine's CPU: the output records it (``hardware``,
+``infinity.precision.hardware_record``) and, for ``zero3``, the dtypes the engines ran in.
 """
 
 from __future__ import annotations
@@ -52,12 +55,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
+from hardware_note import line as hardware_line  # noqa: E402
 from infinity.config import IOConfig, TiersConfig, parse_size  # noqa: E402
 from infinity.io import aligned_empty  # noqa: E402
 from infinity.io.syscalls import O_DIRECT  # noqa: E402
 from infinity.optim import native  # noqa: E402
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads  # noqa: E402
 from infinity.optim.pipeline import AdamPipeline, ShardJob  # noqa: E402
+from infinity.precision import hardware_record  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -407,10 +412,11 @@ for step in range(args["steps"] + 1):
     if step:
         times.append(time.perf_counter() - t0)
     stats.append(engine.stats.last_step)
+precision = {"param_dtype": engine.config.precision.param_dtype, "compute_dtype": engine.config.precision.compute_dtype}
 engine.close()
 med = lambda xs: sorted(xs)[len(xs) // 2]
 phases = {k: med([s[k] for s in stats[1:]]) for k in ("forward_s", "backward_s", "step_s")}
-print(json.dumps({"numel": numel, "step_s": med(times), "times": times, "phases": phases,
+print(json.dumps({"numel": numel, "step_s": med(times), "times": times, "phases": phases, "precision": precision,
                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "last_stats": stats[-1], "loss": loss.item()}, default=str))
 """
@@ -436,7 +442,7 @@ def bench_zero3(root: str, args) -> dict:
         "model": gpt, "batch": args.batch, "seq": args.seq, "steps": args.steps, "numel": res["nvme"]["numel"],
         "in_memory_step_s": res["in_memory"]["step_s"], "nvme_step_s": res["nvme"]["step_s"],
         "nvme_over_in_memory": res["nvme"]["step_s"] / res["in_memory"]["step_s"], "target_ratio": 1.25,
-        "grads": args.grads, "overlap_backward": args.overlap,
+        "grads": args.grads, "overlap_backward": args.overlap, "precision": res["nvme"]["precision"],
         "in_memory_phases_s": res["in_memory"]["phases"], "nvme_phases_s": res["nvme"]["phases"],
         "training_state_bytes": state,
         "in_memory_peak_rss_bytes": res["in_memory"]["peak_rss_bytes"],
@@ -477,7 +483,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     try:
         want = lambda name: args.only in (None, name)  # noqa: E731
-        result = {"threads": args.threads}
+        result = {"threads": args.threads, "hardware": hardware_record("cpu")}
         if want("adam"):
             result["adam"] = bench_adam(args.shard_numel, max(1, args.optim_numel // args.shard_numel // 4),
                                         args.threads, args.reps)
@@ -496,6 +502,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result))
     else:
+        print(hardware_line(result.pop("hardware")))
         for section, figures in result.items():
             print(section, json.dumps(figures, indent=1) if isinstance(figures, dict) else figures)
     return 0
