@@ -30,7 +30,9 @@ sequence 256, micro-batch 2, bf16 compute):
 (A plan's device_bytes is all the device memory the engine may use: the tier plus what it holds outside
 the store, activations and gathered units, which is ~1.9 / 3.3 / 3.9 GiB at least for medium / 1b / 2.7b at
 these shapes; on CPU the device is RAM. A workload the planner refuses is reported with its reason.)
-The machine may be shared: the load average is printed beside each measurement.
+The machine may be shared: the load average is printed beside each measurement. The machine itself
+(``infinity.precision.hardware_record``) is printed and recorded, and each measured run the dtypes its engine
+resolved (a planned config's ``precision.param_dtype: auto`` is measured where it runs).
 """
 
 from __future__ import annotations
@@ -133,14 +135,17 @@ def _child(args) -> None:
         steps.append({"wall_s": wall, "attribution": last["attribution"],
                       "moved_bytes": (last.get("offload") or {}).get("moved_bytes", {}),
                       "memory": engine.memory_report(), "load": os.getloadavg()[0]})
+    precision = {"param_dtype": engine.config.precision.param_dtype,
+                 "compute_dtype": engine.config.precision.compute_dtype}
     engine.close()
     if rank == 0:
-        print("BENCH_JSON " + json.dumps(steps))
+        print("BENCH_JSON " + json.dumps({"steps": steps, "precision": precision}))
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _measure(config_path: str, model: str, world: int, steps: int) -> list:
+def _measure(config_path: str, model: str, world: int, steps: int) -> tuple:
+    """``(per-step stats, the engine's resolved precision)`` of ``steps`` steps in a fresh process."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config_path, "--model", model,
            "--steps", str(steps), "--world", str(world)]
     env = dict(os.environ, PYTHONPATH=REPO)   # the engine fixes glibc's mmap threshold itself (tiers config)
@@ -150,7 +155,8 @@ def _measure(config_path: str, model: str, world: int, steps: int) -> list:
     if proc.returncode != 0:
         raise RuntimeError(f"measured run failed ({proc.returncode}): {proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_JSON "))
-    return json.loads(line[len("BENCH_JSON "):])
+    out = json.loads(line[len("BENCH_JSON "):])
+    return out["steps"], out["precision"]
 
 
 def _median_attribution(steps: list) -> dict:
@@ -192,7 +198,7 @@ def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
         with open(out, "w") as f:
             yaml.safe_dump(cfg, f)
         try:
-            steps = _measure(out, w["model"], w["world"], a.steps)
+            steps, precision = _measure(out, w["model"], w["world"], a.steps)
         except RuntimeError as e:   # a hand-written config that does not fit the budgets is refused
             why = next((ln for ln in reversed(str(e).splitlines()) if "Error" in ln), str(e)[-300:])
             rows.append({"config": path, "step_s": None, "refused": why})
@@ -204,7 +210,7 @@ def _sweep(a, first: dict, w: dict, swap_root: str) -> list:
         peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
         # a config without offload ignores the tiers' budgets: its RSS says whether it kept to the grant
         rows.append({"config": path, "step_s": step, "peak_rss_bytes": max(peaks) if peaks else None,
-                     "load": [round(s["load"], 2) for s in steps]})
+                     "precision": precision, "load": [round(s["load"], 2) for s in steps]})
         if not a.json:
             rss = f"peak RSS {max(peaks) / GIB:5.2f} GiB" if peaks else "peak RSS n/a"
             print(f"   sweep {os.path.basename(path):28s} {step:7.2f} s  {rss}  (load {rows[-1]['load']})")
@@ -249,8 +255,13 @@ def main() -> None:
     if a.child:
         _child(a)
         return
+    from hardware_note import line as hardware_line
+    from infinity.precision import hardware_record
     from infinity.zero.stats import PHASES, TERMS
 
+    hardware = hardware_record("cpu")
+    if not a.json:
+        print(hardware_line(hardware))
     swap_root = a.swap_dir or tempfile.mkdtemp(prefix="bench-plan-", dir=os.getcwd())
     results = []
     passes = [(i, name) for i in range(a.repeat) for name in a.workloads.split(",")]
@@ -271,13 +282,14 @@ def main() -> None:
                 continue
             pred = plan["predicted"]
             pred_step, pred_rss = pred["step_s"], pred["peak_rss"]["total_bytes"]
-            steps = _measure(cfg_path, w["model"], w["world"], a.steps)
+            steps, precision = _measure(cfg_path, w["model"], w["world"], a.steps)
             later = steps[1:] or steps
             measured_step = statistics.median(sum(s["attribution"][p]["wall_s"] for p in PHASES) for s in later)
             peaks = [s["memory"]["peak_rss_bytes"] for s in steps if s["memory"] and s["memory"]["peak_rss_bytes"]]
             measured_rss = max(peaks) if peaks else None
             nvme = statistics.median(sum(v for k, v in s["moved_bytes"].items() if "nvme" in k) for s in later)
-            row = {"workload": name, "pass": run + 1, "resolved": w, "chosen": plan["chosen"], "predicted_step_s": pred_step,
+            row = {"workload": name, "pass": run + 1, "resolved": w, "chosen": plan["chosen"], "precision": precision,
+                   "predicted_step_s": pred_step,
                    "measured_step_s": measured_step, "step_error": pred_step / measured_step - 1,
                    "predicted_rss_bytes": pred_rss, "measured_rss_bytes": measured_rss,
                    "rss_error": pred_rss / measured_rss - 1 if measured_rss else None,
@@ -289,7 +301,8 @@ def main() -> None:
                    "config": cfg_path}
             results.append(row)
             if not a.json:
-                print(f"== {name} (pass {run + 1}/{a.repeat}): {row['chosen']}  (load avg {row['load']})")
+                print(f"== {name} (pass {run + 1}/{a.repeat}): {row['chosen']}, {precision['compute_dtype']} compute  "
+                      f"(load avg {row['load']})")
                 print(f"   step  predicted {pred_step:7.2f} s  measured {measured_step:7.2f} s  "
                       f"error {row['step_error']:+.1%}")
                 if measured_rss:
@@ -324,7 +337,7 @@ def main() -> None:
                "worst_rss_error": worst_rss["rss_error"] if worst_rss else None,
                "worst_rss_workload": worst_rss["workload"] if worst_rss else None}
     if a.json:
-        print(json.dumps({"results": results, "medians": planned, "summary": summary}, indent=2))
+        print(json.dumps({"hardware": hardware, "results": results, "medians": planned, "summary": summary}, indent=2))
     else:
         if a.repeat > 1:
             print(f"medians of {a.repeat} passes (plan and train each pass):")
