@@ -27,8 +27,7 @@ def build(spec: dict, seed: int | None = None):
 
     model = build_model(spec["model"], spec.get("seed", 0) if seed is None else seed)
     if spec.get("extras"):
-        model.register_buffer("position_scale", torch.linspace(0.5, 1.5, 8) + (seed or 0))
-        model.blocks[1].norm.bias.requires_grad_(False)  # frozen: outside the units, saved with the extras
+        add_extras(model, seed or 0)
     groups = param_groups(model, spec)
     if groups:
         groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in groups]
@@ -42,6 +41,13 @@ def build(spec: dict, seed: int | None = None):
                                 initial_loss_scale=spec["initial_loss_scale"])
     model, opt = infinity.initialize(model, cfg, params=groups)
     return model, opt, infinity.engine_of(model)
+
+
+def add_extras(model, seed: int = 0):
+    """A buffer and a frozen parameter on a cross_tied model; returns it."""
+    model.register_buffer("position_scale", torch.linspace(0.5, 1.5, 8) + seed)
+    model.blocks[1].norm.bias.requires_grad_(False)  # frozen: outside the units, saved with the extras
+    return model
 
 
 def train(model, opt, spec: dict, start: int, stop: int) -> list:
