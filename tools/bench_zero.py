@@ -25,6 +25,9 @@ therefore runs with ``MALLOC_MMAP_THRESHOLD_`` fixed at
 the ranks of one dp row train on the same batch, so tokens per step are
 ``world / N`` x batch x seq, against ``world`` x batch x seq for the plain
 configurations (compare step time per token, printed as ``tok/s``).
+
+The output records the machine (``infinity.precision.hardware_record``) and each infinity
+configuration's resolved dtypes; the baselines run fp32.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from hardware_note import line as hardware_line
+from infinity.precision import hardware_record
 
 PLAIN_CONFIGS = ("ddp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
 TP_CONFIGS = ("zero1_tp2", "zero3_tp2", "zero3_tp4")   # opt-in: they need --world divisible by the tp ways
@@ -102,7 +108,10 @@ def _rank(rank: int, world: int, init_file: str, args, name: str, out_q) -> None
         extra = {}
         if name.startswith("zero"):
             import infinity
-            extra = {"last_step": infinity.engine_of(model).stats.last_step}
+            engine = infinity.engine_of(model)
+            extra = {"last_step": engine.stats.last_step,
+                     "precision": {"param_dtype": engine.config.precision.param_dtype,
+                                   "compute_dtype": engine.config.precision.compute_dtype}}
         out_q.put((rank, {"step_s": times, "peak_rss_bytes": rss, **extra}))
         dist.destroy_process_group()
     except BaseException:
@@ -144,6 +153,7 @@ def run_config(name: str, args) -> dict:
         ls = results[0]["last_step"]
         out["rank0_last_step"] = {k: ls[k] for k in ("forward_s", "backward_s", "step_s", "comm_wait_s")}
         out["rank0_collective_bytes"] = {k: v for k, v in ls["collectives"]["bytes"].items() if v}
+        out["precision"] = results[0]["precision"]
     return out
 
 
@@ -188,6 +198,10 @@ def main(argv=None) -> int:
     odd = [c for c in names if args.world % _tp_of(c)]
     if odd:
         ap.error(f"config {odd[0]!r} needs --world divisible by {_tp_of(odd[0])}, got {args.world}")
+    torch.set_num_threads(args.threads)   # the record says the ranks' threads
+    hardware = hardware_record("cpu")
+    if not args.json:
+        print(hardware_line(hardware), flush=True)
     if args.malloc_mmap_threshold_bytes:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold_bytes)  # inherited by the ranks
     rounds: dict = {name: [] for name in names}
@@ -214,7 +228,7 @@ def main(argv=None) -> int:
             ratios[f"{name}/{base}_rss"] = max(a["peak_rss_bytes"]) / max(b["peak_rss_bytes"])
     report = {"model": args.model, "world": args.world, "batch": args.batch, "seq": args.seq,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "threads_per_rank": args.threads,
-              "param_dtype": args.param_dtype, "torch": torch.__version__,
+              "param_dtype": args.param_dtype, "hardware": hardware,
               "malloc_mmap_threshold_bytes": args.malloc_mmap_threshold_bytes, "results": results, "ratios": ratios}
     if args.json:
         print(json.dumps(report, indent=1))
