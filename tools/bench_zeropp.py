@@ -18,7 +18,9 @@ the step is the larger of the two). The same volumes from
 :func:`infinity.estimate.zeropp_comm` are printed beside the measured ones, and
 ``cluster`` projects the communication time per step of a larger run
 (``--project-params`` on ``--project-devices`` ranks, ``--project-ranks-per-node``
-a node) from the estimate's volumes at the same bandwidths.
+a node) from the estimate's volumes at the same bandwidths. The output records the machine
+(``infinity.precision.hardware_record``) and the dtypes the engines resolved (``--param-dtype auto`` is
+measured here).
 
     python tools/bench_zeropp.py --json
     python tools/bench_zeropp.py --json --cross-gbps 3 --intra-gbps 150 --rounds 3
@@ -37,6 +39,9 @@ import traceback
 
 import torch
 import torch.multiprocessing as mp
+
+from hardware_note import line as hardware_line
+from infinity.precision import hardware_record
 
 WORLD, PER_NODE = 4, 2
 CONFIGS = {
@@ -88,11 +93,13 @@ def _run_one(name: str, args, rank: int) -> dict:
             waits.append(engine.stats.last_step["comm_wait_s"])
     coll = engine.stats.last_step["collectives"]
     units = [(u.padded_numel, u.is_root) for u in engine.units]
+    precision = {"param_dtype": engine.config.precision.param_dtype,
+                 "compute_dtype": engine.config.precision.compute_dtype}
     engine.close()
     return {"step_s": statistics.median(times), "comm_wait_s": statistics.median(waits),
             "bytes": sum(coll["bytes"].values()),
             "intra_node_bytes": coll["intra_node_bytes"], "cross_node_bytes": coll["cross_node_bytes"],
-            "units": units}
+            "units": units, "precision": precision}
 
 
 def _rank_main(rank: int, init_file: str, args, queue) -> None:
@@ -169,14 +176,14 @@ def main(argv=None) -> int:
         sw = ZeroPPSwitches(pp.get("quantize_weights", False), pp.get("hierarchical_partition", False),
                             pp.get("quantize_grads", False), pp.get("grad_bits", 8))
         dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}
-        est = zeropp_comm(psi, WORLD, PER_NODE, sw, dtype_bytes[args.param_dtype], dtype_bytes[args.reduce_dtype],
-                          backward_numel=psi - root)
+        est = zeropp_comm(psi, WORLD, PER_NODE, sw, dtype_bytes[r["precision"]["param_dtype"]],
+                          dtype_bytes[args.reduce_dtype], backward_numel=psi - root)
         rows[name] = {"step_s": r["step_s"], "comm_wait_s": r["comm_wait_s"], "bytes_per_step": r["bytes"],
                       "intra_node_bytes": sum(r["intra_node_bytes"].values()),
                       "cross_node_bytes": sum(r["cross_node_bytes"].values()),
                       "estimate_cross_node_bytes": sum(v["cross"] for v in est.values()),
                       "estimate_intra_node_bytes": sum(v["intra"] for v in est.values()),
-                      "projection": _projection(r, args)}
+                      "projection": _projection(r, args), "precision": r["precision"]}
         rows[name]["params"] = psi
     base = rows["zero3"]
     for row in rows.values():
@@ -196,7 +203,10 @@ def main(argv=None) -> int:
     base_comm = cluster["plain stage 3"]["comm_s"]
     for c in cluster.values():
         c["comm_vs_zero3"] = c["comm_s"] / base_comm
+    torch.set_num_threads(args.threads)   # the record says the ranks' threads
+    hardware = hardware_record("cpu")
     out = {"world_size": WORLD, "ranks_per_node": PER_NODE, "model": args.model, "batch": args.batch,
+           "hardware": hardware,
            "seq": args.seq, "steps": args.steps, "rounds": args.rounds, "param_dtype": args.param_dtype,
            "reduce_dtype": args.reduce_dtype, "intra_gbps": args.intra_gbps, "cross_gbps": args.cross_gbps,
            "configs": rows,
@@ -205,6 +215,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
+    print(hardware_line(hardware))
     print(f"{args.model}, {WORLD} ranks as 2 nodes x {PER_NODE}; projection at {args.intra_gbps:g} GB/s intra, "
           f"{args.cross_gbps:g} GB/s cross")
     print(f"{'config':<10} {'step s':>8} {'x zero3':>8} {'bytes':>10} {'cross':>10} {'x zero3':>8} "
