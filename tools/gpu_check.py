@@ -18,7 +18,9 @@ and exits 0 when ``ok``:
   host<->device copy time overlapped kernels (``copy_overlap``).
 
 Everything but ``race`` and the profile's CUDA figures also runs on CPU (the device is then plain
-memory), which is how the tests check this file.
+memory), which is how the tests check this file. Every stage's JSON records the machine
+(``hardware``: :func:`infinity.precision.hardware_record` of the compute device) and the training runs
+the dtypes their engines resolved.
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def train(model_name: str, conf: dict, steps: int, batch_size: int, seq_len: int
             losses.append(loss.item())
             step_s.append(time.perf_counter() - t0)
         out = {"losses": losses, "step_s": step_s, "memory": engine.memory_report(),
-               "engine": {k: v for k, v in engine.stats.last_step.items() if k.endswith("_s")}}
+               "engine": {k: v for k, v in engine.stats.last_step.items() if k.endswith("_s")},
+               "precision": {"param_dtype": engine.config.precision.param_dtype,
+                             "compute_dtype": engine.config.precision.compute_dtype}}
         if engine.store is not None:
             st = engine.store.stats()
             out["store"] = {"budget_bytes": st["budget_bytes"], "peak_bytes": st["peak_bytes"],
@@ -177,8 +181,7 @@ def smoke(out_dir: Path, steps: int = 2) -> dict:
     import infinity
 
     device = compute_device()
-    info = {"torch": torch.__version__, "infinity": infinity.__file__, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    info = {"infinity": infinity.__file__, "device": str(device)}   # the machine: run_stage's "hardware"
     with _scratch() as tmp:
         pinned = pinned_round_trip(device)
         collective = one_collective(device, tmp)
@@ -187,7 +190,7 @@ def smoke(out_dir: Path, steps: int = 2) -> dict:
     losses = compare_losses(got["losses"], ref["losses"], rel_tol=1e-4)
     param_diff = max_param_diff(got["params"], ref["params"])
     offloaded = {"losses": got["losses"], "in_memory_losses": ref["losses"], **losses,
-                 "max_param_abs_diff": param_diff, "store": got.get("store"),
+                 "max_param_abs_diff": param_diff, "store": got.get("store"), "precision": got["precision"],
                  "ok": losses["ok"] and param_diff <= 1e-4}
     return {**info, "pinned": pinned, "collective": collective, "offloaded_step": offloaded,
             "ok": pinned["ok"] and collective["ok"] and offloaded["ok"]}
@@ -213,7 +216,7 @@ def loss(out_dir: Path, model: str = "125m", steps: int = 5, batch_size: int = 4
     return {"model": model, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, **cmp,
             "ok": cmp["ok"] and within, "pinned_within_host_budget": within, **summary,
             "losses": got["losses"], "in_memory_losses": ref["losses"],
-            "step_s": got["step_s"], "in_memory_step_s": ref["step_s"],
+            "step_s": got["step_s"], "in_memory_step_s": ref["step_s"], "precision": got["precision"],
             "engine_last_step": got["engine"], "in_memory_engine_last_step": ref["engine"]}
 
 
@@ -418,6 +421,8 @@ def profile(out_dir: Path, model: str = "125m", batch_size: int = 4, seq_len: in
 # ---------------------------------------------------------------- entry point
 
 def run_stage(stage: str, out_dir: Path, **kwargs) -> dict:
+    from infinity.precision import hardware_record
+
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     fn = globals()[stage]
@@ -427,7 +432,11 @@ def run_stage(stage: str, out_dir: Path, **kwargs) -> dict:
     except Exception as e:   # noqa: BLE001 - the JSON says what failed; the exit status says that it did
         result = {"ok": False, "error": f"{type(e).__name__}: {e}",
                   "traceback": traceback.format_exc()[-4000:]}
-    result = {"stage": stage, **result, "wall_s": time.perf_counter() - t0}
+    try:
+        hardware = hardware_record(compute_device())
+    except Exception as e:   # noqa: BLE001 - a device that cannot say its name still gets its stage's JSON
+        hardware = {"error": f"{type(e).__name__}: {e}"}
+    result = {"stage": stage, **result, "wall_s": time.perf_counter() - t0, "hardware": hardware}
     (out_dir / f"{stage}.json").write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -444,6 +453,10 @@ def main(argv=None) -> int:
     kwargs = {k: v for k, v in (("model", args.model), ("steps", args.steps), ("batch_size", args.batch_size),
                                 ("seq_len", args.seq_len)) if v is not None}
     result = run_stage(args.stage, args.out, **kwargs)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hardware_note import line as hardware_line
+    if "cpu" in result["hardware"]:
+        print(hardware_line(result["hardware"]), file=sys.stderr)
     print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "in_memory_losses")}, default=str))
     return 0 if result["ok"] else 1
 

@@ -81,7 +81,8 @@ PY
     summary+=("{\"stage\": \"$name\", \"ok\": $ok, \"rc\": $rc, \"wall_s\": $((SECONDS - t0)), \"limit_s\": $limit}")
 }
 
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+PYTHONPATH="$PWD/tools:$PYTHONPATH" "$PY" -c "import torch; from hardware_note import line; \
+from infinity.precision import hardware_record; print(line(hardware_record('cuda' if torch.cuda.is_available() else 'cpu')))"
 for stage in $STAGES; do
     run_stage "$stage"
 done
