@@ -19,7 +19,8 @@ in about an hour.
 
 ``--jobs N`` runs N of the runs at once, each pinned to its own share of the cores (``infinity train``
 sizes its threads from its CPU affinity): the runs are independent, so their losses are the same as
-run one by one, and only the wall time changes.
+run one by one, and only the wall time changes. The JSON records the machine
+(``infinity.precision.hardware_record``) and the dtypes each run resolved.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import yaml
 
+from hardware_note import line as hardware_line
 from infinity.config import MOMENT_FORMATS
+from infinity.precision import hardware_record
 
 TARGETS = {"bf16": 0.005, "int8": 0.01}   # final validation loss vs fp32's, relative
 
@@ -65,7 +68,8 @@ def _run(name: str, moments: str, seed: int, args, cores=None) -> dict:
     losses = [r["loss"] for r in rows if "loss" in r]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     return {"moments": moments, "seed": seed, "losses": losses, "val_curve": val,
-            "val_loss": summary.get("val_loss"), "wall_s": time.perf_counter() - t0}
+            "val_loss": summary.get("val_loss"), "wall_s": time.perf_counter() - t0,
+            "precision": {k: summary.get(k) for k in ("param_dtype", "compute_dtype")}}
 
 
 def _plot(runs: dict, path: str, title: str) -> None:
@@ -135,12 +139,13 @@ def main(argv=None) -> int:
         r["target"] = target
         r["within_target"] = None if target is None else abs(r["val_vs_fp32"]) <= target
     result = {"steps": args.steps, "model": args.model, "param_dtype": args.param_dtype,
-              "seq_len": args.seq_len, "batch_size": args.batch_size,
+              "hardware": hardware_record("cpu"), "seq_len": args.seq_len, "batch_size": args.batch_size,
               "corpus_bytes": args.corpus_bytes, "lr": args.lr, "fp32_seed_spread": spread, "runs": runs}
     with open(os.path.join(args.out, "moments_convergence.json"), "w") as f:
         json.dump(result, f, indent=1)
     _plot(runs, os.path.join(args.out, "moments_convergence.png"),
           f"{args.model}, {args.steps} steps x {args.batch_size} x {args.seq_len} tokens")
+    print(hardware_line(result["hardware"]))
     print(f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}; fp32 seed spread "
           f"{spread:+.2%}")
     for name, r in runs.items():
