@@ -6,7 +6,8 @@ ranks laid out as 2 "nodes" x 2 (``zeropp.ranks_per_node: 2``), and reports
 each run's final training loss (the mean of the last ``--tail`` steps, since
 one step's loss is one batch's), its final validation loss, and both relative
 to the plain run (the target: within 1%). The per-step losses go to
-``--out DIR`` (one metrics JSONL per run) and, with ``--json``, into the output.
+``--out DIR`` (one metrics JSONL per run) and, with ``--json``, into the output, with the machine
+(``infinity.precision.hardware_record``) and the dtypes each run resolved.
 
     python tools/zeropp_convergence.py --json                 # 200 steps
     python tools/zeropp_convergence.py --steps 20 --model tiny  # a quick look
@@ -23,6 +24,9 @@ import tempfile
 import time
 
 import yaml
+
+from hardware_note import line as hardware_line
+from infinity.precision import hardware_record
 
 CONFIGS = {
     "zero3": {},
@@ -54,7 +58,8 @@ def _run(name: str, pp: dict, args, out_dir: str) -> dict:
     with open(metrics) as f:
         losses = [json.loads(line)["loss"] for line in f if line.strip()]
     return {"losses": losses, "val_loss": summary.get("val_loss"), "wall_s": time.perf_counter() - t0,
-            "final_loss": sum(losses[-args.tail:]) / len(losses[-args.tail:])}
+            "final_loss": sum(losses[-args.tail:]) / len(losses[-args.tail:]),
+            "precision": {k: summary.get(k) for k in ("param_dtype", "compute_dtype")}}
 
 
 def main(argv=None) -> int:
@@ -79,10 +84,13 @@ def main(argv=None) -> int:
         r["final_vs_zero3"] = r["final_loss"] / base["final_loss"] - 1
         r["val_vs_zero3"] = (r["val_loss"] / base["val_loss"] - 1) if r["val_loss"] and base["val_loss"] else None
         r["within_1pct"] = abs(r["final_vs_zero3"]) <= 0.01
+    hardware = hardware_record("cpu")
     if args.json:
         print(json.dumps({"steps": args.steps, "model": args.model, "seq_len": args.seq_len,
-                          "batch_size": args.batch_size, "metrics_dir": out_dir, "runs": runs}, indent=1))
+                          "batch_size": args.batch_size, "metrics_dir": out_dir, "hardware": hardware, "runs": runs},
+                         indent=1))
         return 0
+    print(hardware_line(hardware))
     print(f"{args.model}, {args.steps} steps, 4 ranks as 2 nodes x 2; final = mean of last {args.tail} losses")
     for n, r in runs.items():
         curve = " ".join(f"{r['losses'][i]:.2f}" for i in range(0, len(r["losses"]), max(1, len(r["losses"]) // 8)))
