@@ -31,6 +31,9 @@ from pathlib import Path
 
 import psutil
 
+from hardware_note import line as hardware_line
+from infinity.precision import hardware_record
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--no-progress",
         "--eval-every", "0", "--host-bytes", "1MiB"]
@@ -394,6 +397,7 @@ def main() -> int:
                     row = Row(name, n, f"HARNESS ERROR: {e}"[:100], None, "?", "?")
                 rows.append(row)
                 print(f"  {row.case} (world {row.world}): {row.outcome}", file=sys.stderr, flush=True)
+    print(hardware_line(hardware_record("cpu")))   # the seconds to exit are this machine's
     head = ("case", "world", "outcome", "s to exit", "state lost", "files left")
     table = [head] + [(r.case, str(r.world), r.outcome, "-" if r.exit_s is None else f"{r.exit_s:.1f}",
                        r.state_lost, r.left) for r in rows]
