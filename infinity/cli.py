@@ -440,7 +440,10 @@ def _add_train(sub) -> None:
                     "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
     p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config); "
+                   "a DeepSpeed ds_config.json is read as one (README: Migrating from DeepSpeed); "
                    "auto (or a file with offload: auto, e.g. configs/auto.yaml): the planner picks it (infinity plan)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the config the run would use (YAML; with --json, JSON), flags applied, and exit")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="local ranks to start (default 1); under torchrun the launcher's ranks are joined instead")
     p.add_argument("--steps", type=int, default=None, metavar="N",
@@ -456,7 +459,9 @@ def _add_train(sub) -> None:
                         f"(default {DEFAULT_BATCH_SIZE}; resumable)")
     p.add_argument("--seq-len", type=int, default=None, metavar="N",
                    help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, or the model's limit if shorter; resumable)")
-    p.add_argument("--accum", type=int, default=1, metavar="N", help="micro-batches per rank per step (default 1)")
+    p.add_argument("--accum", type=int, default=None, metavar="N",
+                   help="micro-batches per rank per step (default: the config's schedule.accum_steps, a DeepSpeed "
+                        "config's gradient_accumulation_steps, else 1)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides optimizer.lr)")
     p.add_argument("--seed", type=int, default=None, help="model init and batch order (default 0; resumable)")
     p.add_argument("--stage", type=int, default=None, choices=(0, 1, 2, 3), help="overrides zero.stage")
@@ -513,6 +518,7 @@ def _add_train(sub) -> None:
 
 def _run_train(args) -> int:
     from infinity.train import RankError, TrainError, TrainOptions, train
+    from infinity.train.resolve import effective_config
 
     options = TrainOptions(
         config=args.config, nproc=args.nproc, steps=args.steps, model=args.model, batch_size=args.batch_size,
@@ -524,6 +530,17 @@ def _run_train(args) -> int:
         save=not args.no_save, save_dir=args.save_dir, save_every=args.save_every, keep_last=args.keep_last,
         resume=args.resume, sample_every=args.sample_every, sample_tokens=args.sample_tokens,
         metrics=args.metrics, trace=args.trace, trace_step=args.trace_step, progress=not args.no_progress)
+    if args.print_config:
+        try:
+            config = effective_config(options).to_dict()
+        except TrainError as e:
+            raise UsageError(str(e)) from None
+        if args.json:
+            print(json.dumps(config, indent=2))
+        else:
+            import yaml
+            print(yaml.safe_dump(config, sort_keys=False, default_flow_style=False), end="")
+        return 0
     try:
         result = train(options)
     except TrainError as e:
@@ -683,11 +700,11 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _dtypes(summary: dict) -> str:
     """``bf16``, or ``bf16 stored, fp32 compute`` where they differ."""
     stored, compute = summary["param_dtype"], summary.get("compute_dtype", summary["param_dtype"])
     return stored if compute == stored else f"{stored} stored, {compute} compute"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
