@@ -513,13 +513,25 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "Config":
+        """Build from a mapping of sections; a DeepSpeed config (by its top-level keys) is read as one."""
         d = {} if d is None else d
         if not isinstance(d, dict):
             raise ConfigError(f"config: expected a mapping of sections, got {type(d).__name__}")
+        from infinity.deepspeed_config import is_deepspeed   # beside this module; it builds a Config
+        if is_deepspeed(d):
+            return cls.from_deepspeed(d)
         unknown = sorted(set(d) - set(_SECTIONS) - ({"plan"} if d.get("offload") == "auto" else set()))
         if unknown:
             raise ConfigError(f"unknown config section '{unknown[0]}'; valid sections: {', '.join(_SECTIONS)}")
         return cls(**{name: _build_section(sec, name, d.get(name)) for name, sec in _SECTIONS.items()})
+
+    @classmethod
+    def from_deepspeed(cls, source: "str | Path | dict", trainer=None) -> "Config":
+        """A DeepSpeed ``ds_config.json`` (path or dict) read into a Config, each key mapped to its meaning here;
+        ``trainer``: :class:`infinity.deepspeed_config.TrainerValues` to fill ``"auto"`` values from (see
+        :mod:`infinity.deepspeed_config`)."""
+        from infinity.deepspeed_config import read_deepspeed
+        return read_deepspeed(source, trainer).config
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Config":
