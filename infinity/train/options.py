@@ -88,7 +88,7 @@ class TrainOptions:
     model: str | None = None           # resumable; default DEFAULT_MODEL; grammar in infinity/train/models.py
     batch_size: int | None = None      # resumable; global sequences per optimizer step (all ranks, micro-batches)
     seq_len: int | None = None         # resumable; default min(DEFAULT_SEQ_LEN, what the model allows)
-    accum: int = 1                     # micro-batches per rank per step (gradient accumulation)
+    accum: int | None = None           # micro-batches per rank per step; None = the config's schedule.accum_steps
     lr: float | None = None            # overrides optimizer.lr
     seed: int | None = None            # resumable; model init and batch order (default 0)
     stage: int | None = None           # overrides zero.stage

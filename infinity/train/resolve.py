@@ -29,7 +29,8 @@ from infinity.train.options import (DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_S
                                     DEFAULT_SWAP_DIR, DEFAULT_VAL_FRACTION, TrainOptions, default_config)
 from infinity.train.tokenizer import has_tokenizer_files, load_tokenizer
 
-__all__ = ["TrainRun", "resolve", "prepare_swap_dir", "with_swap_dir", "under_torchrun", "check_int"]
+__all__ = ["TrainRun", "resolve", "effective_config", "prepare_swap_dir", "with_swap_dir", "under_torchrun",
+           "check_int"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
 
     steps = check_int("--steps", pick(o.steps, "steps", DEFAULT_STEPS), 1)
     batch_size = check_int("--batch-size", pick(o.batch_size, "batch_size", DEFAULT_BATCH_SIZE), 1)
-    accum = check_int("--accum", o.accum, 1)
+    accum = check_int("--accum", o.accum if o.accum is not None else _config_accum(o.config), 1)
     seed = check_int("--seed", pick(o.seed, "seed", 0), 0)
     trace_step = check_int("--trace-step", o.trace_step, 0)
     eval_every = check_int("--eval-every", o.eval_every, 0)
@@ -208,6 +209,26 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
                 save_every=save_every, keep_last=keep_last, resume=None if resume is None else str(resume),
                 start_step=start_step, lr_scheduler_state=job.get("lr_scheduler"), sample_every=sample_every,
                 sample_tokens=sample_tokens, lr_override=o.lr is not None and resume is not None)
+
+
+def _config_accum(config) -> int:
+    """Without ``--accum``: the config's ``schedule.accum_steps`` (a DeepSpeed config's
+    ``gradient_accumulation_steps``), else 1."""
+    if config is None or wants_auto(config):
+        return 1
+    try:
+        return Config.load(config).schedule.accum_steps
+    except ConfigError as e:
+        raise TrainError(str(e)) from None
+
+
+def effective_config(options: TrainOptions) -> Config:
+    """The config ``infinity train`` would run with ``options`` (its flags applied, ``auto`` planned, a DeepSpeed
+    config read), checked as a run checks it but starting nothing and saving nothing: ``--print-config``."""
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else check_int("--nproc", options.nproc, 1)
+    quiet = dataclasses.replace(options, save=False, save_dir=None, save_every=0, keep_last=None, metrics=None,
+                                trace=None)
+    return Config.from_dict(resolve(quiet, world).config)
 
 
 def _auto_config(o: TrainOptions, spec, world_size: int, micro_batch: int, seq_len: int) -> dict:
