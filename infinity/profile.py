@@ -3,6 +3,13 @@
 Sections of the profile (GB/s = 1e9 bytes per second throughout):
 
 - ``machine``: cores, RAM, the swap directory's file system and whether it takes O_DIRECT.
+- ``compute``: matmul GFLOP/s of each dtype at transformer linear-layer shapes (:data:`COMPUTE_SHAPES`:
+  (d, d) and (d, 4d) for d 768 and 2048), forward and both gradients, by
+  :func:`infinity.precision.measure_rates` (bounded: a dtype far slower than the fastest is stopped after a
+  few rows), on the CPU (fp32, bf16) and on a CUDA device (fp32, bf16, fp16); what
+  ``precision.param_dtype: auto`` chooses from those rates with the parameters offloaded and not; and the
+  hardware (CPU model and its bf16 instructions, torch, the CUDA device). Later compute probes run in the
+  dtype ``auto`` computes in here, so none runs in an emulated one.
 - ``memcpy``: host memory copy bandwidth, bytes copied per second (each byte read once and
   written once), by ``Tensor.copy_`` on torch's intra-op threads and by one thread's libc
   ``memcpy``. The ceiling for host-tier moves and for the engine's staging copies.
@@ -24,7 +31,8 @@ Sections of the profile (GB/s = 1e9 bytes per second throughout):
   while sharing the disk. The planner's "read and write at once" rates.
 - ``contention``: how much compute on the CPU slows while the engine reads and writes at once (at the
   best row's settings), as an overlapped offloaded step runs them beside a CPU device's compute: a
-  probe (bf16 matmuls and a LayerNorm + GELU at transformer shapes, on torch's intra-op threads)
+  probe (matmuls and a LayerNorm + GELU at transformer shapes, on torch's intra-op threads, in the
+  CPU's ``auto`` compute dtype, its rows sized from the ``compute`` rate to a fraction of a second)
   timed alone and beside the streaming disk, their ratio (``slowdown``), and the engine's own CPU
   seconds per GB moved (checksums, the I/O threads). The planner's slowdown of a CPU device's compute
   for the part of a phase the disk is busy.
@@ -74,6 +82,7 @@ from infinity.io.syscalls import O_DIRECT
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import split_bf16_
+from infinity.precision import DTYPES, FAR_SLOWER, choose, hardware_record, measure_rates
 
 __all__ = [
     "ProfileError",
@@ -82,6 +91,9 @@ __all__ = [
     "write_profile",
     "measure_memcpy",
     "measure_host_device",
+    "measure_compute",
+    "describe_compute",
+    "cpu_compute_dtype",
     "measure_nvme",
     "measure_cpu_adam",
     "measure_collectives",
@@ -90,6 +102,7 @@ __all__ = [
     "PROFILE_JSON",
     "PROFILE_PLOT",
     "STEADY_BYTES",
+    "COMPUTE_SHAPES",
 ]
 
 PROFILE_JSON = "profile.json"
@@ -115,6 +128,31 @@ BEST_IO_MARGIN = 0.10
 # of it (32 MiB requests), CPU Adam over 32M parameters (512 MiB of state, far past any cache).
 STEADY_BYTES = 512 * _MiB
 FRESH_BYTES = 64 * _MiB   # a fresh-memory copy point: above glibc's largest mmap threshold (32 MiB)
+# Linear-layer weight shapes of the compute section: (d, d) and (d, 4d) at a small and a mid-sized width.
+# Ascending, so the probe's first pass (at its middle shape, a few rows) is not at the largest one.
+COMPUTE_SHAPES = ((768, 768), (768, 3072), (2048, 2048), (2048, 8192))
+# Seconds the compute section's full-size rounds may take per device, all dtypes together (at least two
+# rounds run whatever the budget: the shapes above are small enough for that to stay in seconds).
+COMPUTE_BUDGET_S = {True: 0.5, False: 2.0}   # by --quick
+COMPUTE_ROWS = 256   # tokens: the matmul kernels' steady rate, milliseconds a step at fp32's
+# A first look at each dtype before the full shapes: SCREEN_LOOKS turns of one small weight at 64 rows,
+# each dtype on its own and on one thread. There fp32 runs near its steady rate (the weight stays in
+# cache) and a dtype emulated in software shows some 15x slower (its looks take about 1.6 s at
+# 1 GFLOP/s). One thread, as a step of milliseconds on several measures how soon a busy machine's
+# scheduler wakes the others (45 ms a step here, under load) more than the kernel. A dtype other than
+# the fastest there is not measured at the full shapes when it is FAR_SLOWER, or when at its rate there
+# its two full-size rounds (the fewest measure_rates runs) would take more than FAR_SLOWER budgets (a
+# CPU slow at every dtype). measure_rates' own first pass (8 rows of its middle shape, every dtype) is
+# not enough alone: fp32 reads the whole weight from memory for 8 rows there and runs at a tenth of its
+# rate, and stalls hit such short steps hardest, so an emulated bf16 can look less than 4x slower
+# (under AVX2 caps: fp32 4.1, bf16 0.9 GFLOP/s) and run its full-size rounds (110 s in a quick profile).
+SCREEN_SHAPE = (768, 768)
+SCREEN_ROWS = 64
+SCREEN_BUDGET_S = 0.1   # a look's, each dtype's: the best step of its rounds
+SCREEN_LOOKS = 3
+# One pass of the contention probe: long enough that a disk round's burst of CPU falls inside it, short
+# enough that its repeats (alone and beside the disk) stay a few seconds at any rate.
+CONTENTION_PROBE_S = 0.25
 
 
 class ProfileError(ValueError):
@@ -274,6 +312,85 @@ def _host_device_cuda(nbytes: int, repeats: int) -> dict:
             out[f"{direction}_{kind}_gbps"] = nbytes / max(best_s, 1e-9) / 1e9
         del host_buf
     return out
+
+
+# ---------------------------------------------------------------- compute
+
+def _choice_record(choice) -> dict:
+    return {"param_dtype": choice.param_dtype, "compute_dtype": choice.compute_dtype, "reason": choice.reason}
+
+
+def _device_compute(device: torch.device, dtypes: tuple, budget_s: float) -> dict:
+    """One device's matmul rates at :data:`COMPUTE_SHAPES` and the ``auto`` answers they give. A dtype
+    :data:`~infinity.precision.FAR_SLOWER` than the fastest at :data:`SCREEN_SHAPE`, or too slow there for
+    two full-size rounds in that many budgets, is not measured at the full shapes: its figure is the
+    screen's (``screen``, one thread: it only understates the slower dtype), and it is listed in
+    ``stopped_early``."""
+    t0 = time.perf_counter()
+    screen = dict.fromkeys(dtypes, 0.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(SCREEN_LOOKS):   # in turns, each dtype's best look: a burst of load misses one of them
+            for d in dtypes:
+                look = measure_rates((SCREEN_SHAPE,), (d,), rows=SCREEN_ROWS, budget_s=SCREEN_BUDGET_S,
+                                     device=device)
+                screen[d] = max(screen[d], look["gflops"][d])
+    finally:
+        torch.set_num_threads(threads)
+    fastest = max(screen, key=screen.get)
+    round_flops = sum(3 * 2.0 * COMPUTE_ROWS * d * f for d, f in COMPUTE_SHAPES)   # forward, both gradients
+    slow = [d for d in dtypes if d != fastest and (screen[d] * FAR_SLOWER < screen[fastest] or
+                                                   2 * round_flops / (screen[d] * 1e9) > FAR_SLOWER * budget_s)]
+    rates = measure_rates(COMPUTE_SHAPES, tuple(d for d in dtypes if d not in slow), rows=COMPUTE_ROWS,
+                          budget_s=budget_s, device=device)
+    rates["gflops"] = {d: rates["gflops"].get(d, screen[d]) for d in dtypes}
+    rates["stopped_early"] = [d for d in dtypes if d in slow or d in rates["stopped_early"]]
+    rates["screen"] = {"shape": list(SCREEN_SHAPE), "rows": SCREEN_ROWS, "threads": 1, "gflops": screen}
+    rates["elapsed_s"] = time.perf_counter() - t0
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    rates["auto"] = {key: _choice_record(choose(device, COMPUTE_SHAPES, params_offloaded=offloaded,
+                                                capability=capability, rates=rates))
+                     for key, offloaded in (("params_offloaded", True), ("params_not_offloaded", False))}
+    return rates
+
+
+def measure_compute(quick: bool) -> dict:
+    """The ``compute`` section (module doc): ``{"hardware": ..., "cpu": {...}, "cuda": {...}}``, each device's
+    entry :func:`infinity.precision.measure_rates`'s (``gflops``, ``stopped_early``, ``rows``, ``shapes``)
+    with the first look's (``screen``), its ``elapsed_s`` and ``auto`` (``params_offloaded`` /
+    ``params_not_offloaded``: the stored and compute dtype ``auto`` takes, and why). ``cuda`` only where a
+    CUDA device is."""
+    budget_s = COMPUTE_BUDGET_S[bool(quick)]
+    cuda = torch.cuda.is_available()
+    out = {"hardware": hardware_record("cuda" if cuda else "cpu"),
+           "cpu": _device_compute(torch.device("cpu"), ("fp32", "bf16"), budget_s)}
+    if cuda:
+        out["cuda"] = _device_compute(torch.device("cuda"), ("fp32", "bf16", "fp16"), budget_s)
+    return out
+
+
+def cpu_compute_dtype(compute: dict) -> str:
+    """The dtype a CPU device computes in here (``auto``'s answer; the same offloaded or not)."""
+    return compute["cpu"]["auto"]["params_offloaded"]["compute_dtype"]
+
+
+def describe_compute(compute: dict) -> list[str]:
+    """The ``compute`` section as text lines, one per device: its rates and ``auto``'s answer."""
+    cpu = compute["hardware"]["cpu"]
+    native = next((f for f in ("amx_bf16", "avx512_bf16") if cpu.get(f)), "no bf16 instructions")
+    lines = [f"cpu {cpu['model']} ({native}, torch kernels {cpu['torch_cpu_capability']}, {cpu['threads']} threads)"]
+    for name in ("cpu", "cuda"):
+        if name not in compute:
+            continue
+        dev = compute[name]
+        rates = ", ".join(f"{d} {g:.1f}" + (" (stopped early)" if d in dev["stopped_early"] else "")
+                          for d, g in dev["gflops"].items())
+        off, on = dev["auto"]["params_offloaded"], dev["auto"]["params_not_offloaded"]
+        auto = (f"{on['compute_dtype']}" if off == on else
+                f"{on['param_dtype']}; offloaded params stored {off['param_dtype']}, computed {off['compute_dtype']}")
+        lines.append(f"{name} matmul GFLOP/s {rates}; auto -> {auto}")
+    return lines
 
 
 # ---------------------------------------------------------------- NVMe sweep
@@ -467,26 +584,36 @@ def measure_nvme(directory: str, point_bytes: int, quick: bool, direct: bool,
     }
 
 
-def _contention_probe(rows: int = 512, width: int = 2048) -> Callable[[], object]:
-    """One pass of a transformer block's shapes in bf16: two matmuls through a 4x wider layer, a
-    LayerNorm and a GELU (the memory-bound ops, which feel a busy memory bus most)."""
+def _contention_rows(gflops: float, width: int) -> int:
+    """Rows for one probe pass of :data:`CONTENTION_PROBE_S` at ``gflops`` (a multiple of 16, 16 to 2048)."""
+    flops_per_row = 2 * 2 * width * 4 * width   # two matmuls through the 4x wider layer
+    rows = int(CONTENTION_PROBE_S * gflops * 1e9 / flops_per_row) // 16 * 16
+    return min(max(rows, 16), 2048)
+
+
+def _contention_probe(dtype: str, gflops: float, width: int = 2048) -> tuple[Callable[[], object], str]:
+    """One pass of a transformer block's shapes in ``dtype``: two matmuls through a 4x wider layer, a
+    LayerNorm and a GELU (the memory-bound ops, which feel a busy memory bus most), its rows sized so the
+    pass takes about :data:`CONTENTION_PROBE_S` at ``gflops``; and the probe in words."""
+    rows = _contention_rows(gflops, width)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, width, generator=g).bfloat16()
-    w1 = torch.randn(width, 4 * width, generator=g).bfloat16()
-    w2 = torch.randn(4 * width, width, generator=g).bfloat16()
+    x = torch.randn(rows, width, generator=g).to(DTYPES[dtype])
+    w1 = torch.randn(width, 4 * width, generator=g).to(DTYPES[dtype])
+    w2 = torch.randn(4 * width, width, generator=g).to(DTYPES[dtype])
 
     def once() -> None:
-        for _ in range(4):
-            h = torch.nn.functional.gelu(x @ w1)
-            torch.nn.functional.layer_norm(h @ w2, (width,))
-    return once
+        h = torch.nn.functional.gelu(x @ w1)
+        torch.nn.functional.layer_norm(h @ w2, (width,))
+    return once, f"{dtype} ({rows} x {width}) @ ({width} x {4 * width}), GELU, @ ({4 * width} x {width}), LayerNorm"
 
 
-def measure_io_contention(directory: str, io: IOConfig, point_bytes: int, repeats: int) -> dict:
+def measure_io_contention(directory: str, io: IOConfig, point_bytes: int, repeats: int,
+                          dtype: str, gflops: float) -> dict:
     """The probe's time alone and while the engine streams reads and writes of ``point_bytes`` at once
     (rounds of reading one set of tensors and writing another, each flushed, until the probe is done),
-    median of ``repeats`` each; and the engine's process CPU seconds per GB moved, streaming alone."""
-    probe = _contention_probe()
+    median of ``repeats`` each; and the engine's process CPU seconds per GB moved, streaming alone.
+    The probe computes in ``dtype`` (the one the CPU's compute runs in), sized from its ``gflops``."""
+    probe, described = _contention_probe(dtype, gflops)
     probe()   # first-touch pages and kernels' set-up are not timed
     alone = _median_s(probe, repeats)
     tensors = _TENSORS_PER_POINT
@@ -536,7 +663,7 @@ def measure_io_contention(directory: str, io: IOConfig, point_bytes: int, repeat
         io_bytes = moved[0]
         beside, _, beside_wall = streaming(lambda: _median_s(probe, repeats))
         beside_bytes = moved[0]
-    return {"probe": "bf16 (512 x 2048) @ (2048 x 8192), GELU, @ (8192 x 2048), LayerNorm; x4",
+    return {"probe": described, "dtype": dtype,
             "compute_alone_s": alone, "compute_beside_io_s": beside, "slowdown": max(1.0, beside / alone),
             "io_gbps": io_bytes / io_s / 1e9, "io_gbps_beside_compute": beside_bytes / beside_wall / 1e9,
             "io_cpu_s_per_gb": io_cpu_s / max(io_bytes / 1e9, 1e-9),
@@ -735,6 +862,10 @@ def run_profile(options: ProfileOptions, progress: Callable[[str], None] | None 
             raise ProfileError(f"--dir {parent}: {e}") from None
         base = options.base_bytes
         profile = {"machine": machine_info(parent, direct)}
+        say("compute: matmul GFLOP/s per dtype at transformer shapes")
+        profile["compute"] = measure_compute(options.quick)
+        for line in describe_compute(profile["compute"]):
+            say(f"  {line}")
         say(f"memcpy: {format_size(base)}")
         profile["memcpy"] = measure_memcpy(base, options.repeats)
         say("host<->device copies")
@@ -745,8 +876,10 @@ def run_profile(options: ProfileOptions, progress: Callable[[str], None] | None 
             raise ProfileError(f"--dir {parent}: NVMe sweep failed: {e}") from None
         say("compute beside the disk: a probe alone and while the engine reads and writes at once")
         try:
+            dtype = cpu_compute_dtype(profile["compute"])
             profile["contention"] = measure_io_contention(scratch, IOConfig(**best_io(profile["nvme"]["sweep"], direct)),
-                                                          base // 4, options.repeats)
+                                                          base // 4, options.repeats, dtype,
+                                                          profile["compute"]["cpu"]["gflops"][dtype])
         except OSError as e:
             raise ProfileError(f"--dir {parent}: the contention probe's I/O failed: {e}") from None
         say(f"cpu adam: {base // _ADAM_STATE_BYTES_PER_PARAM:,} params")

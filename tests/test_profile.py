@@ -9,10 +9,13 @@ import pytest
 import torch
 
 import infinity
+from infinity import profile as prof
 from infinity.cli import main
+from infinity.config import MASTER_FORMATS, MOMENT_FORMATS
 from infinity.io import probe_direct_io
-from infinity.profile import (FRESH_BYTES, PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions, best_io,
-                              measure_collectives, measure_host_device, measure_nvme)
+from infinity.profile import (COMPUTE_SHAPES, FRESH_BYTES, PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions,
+                              best_io, cpu_compute_dtype, measure_collectives, measure_compute, measure_host_device,
+                              measure_nvme)
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -34,7 +37,8 @@ def quick(tmp_path_factory):
 
 def test_quick_json_has_every_section_with_positive_values(quick):
     p = quick["profile"]
-    assert set(p) >= {"machine", "memcpy", "host_device", "nvme", "contention", "cpu_adam", "collectives", "io"}
+    assert set(p) >= {"machine", "compute", "memcpy", "host_device", "nvme", "contention", "cpu_adam", "collectives",
+                      "io"}
     m = p["machine"]
     assert m["cpu_count"] >= 1 and m["cores_available"] >= 1 and m["ram_bytes"] > m["ram_available_bytes"] > 0
     assert m["fs_type"] not in ("", "unknown")
@@ -74,6 +78,8 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     con = p["contention"]
     assert (con["block_bytes"], con["threads"], con["queue_depth"]) == (io["block_bytes"], io["threads"], io["queue_depth"])
     assert con["compute_alone_s"] > 0 and con["compute_beside_io_s"] > 0
+    # in the dtype a CPU device computes in here, never an emulated one
+    assert con["dtype"] == cpu_compute_dtype(p["compute"]) and con["probe"].startswith(con["dtype"] + " (")
     assert con["slowdown"] == max(1.0, con["compute_beside_io_s"] / con["compute_alone_s"])
     assert con["io_gbps"] > 0 and con["io_gbps_beside_compute"] > 0 and con["io_cpu_s_per_gb"] > 0
     from infinity.plan.rates import Rates
@@ -87,7 +93,6 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     assert adam["params_per_s"] == pytest.approx(adam["gbps"] * 1e9 / 16)
     assert adam["ratio"] == pytest.approx(adam["gbps"] / adam["torch_fused_gbps"])
     # every other stored format the config accepts, priced for the planner
-    from infinity.config import MASTER_FORMATS, MOMENT_FORMATS
     want = {f"{m}/{v}" for m in MASTER_FORMATS for v in MOMENT_FORMATS} - {"fp32/fp32"}
     assert set(adam["formats"]) == want and all(r["params_per_s"] > 0 for r in adam["formats"].values())
 
@@ -99,6 +104,105 @@ def test_quick_json_has_every_section_with_positive_values(quick):
     for r in co["rows"]:
         assert r["time_s"] > 0 and r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * (1.0 if r["op"] == "all_reduce" else 0.5))
+
+
+def test_compute_section_has_each_dtypes_rate_and_the_auto_answer(quick):
+    """The compute section: positive matmul GFLOP/s of fp32 and bf16 on the CPU (fp16 too on CUDA) at the
+    transformer shapes, what ``auto`` chooses from them with the parameters offloaded and not, and the
+    hardware they were measured on."""
+    from infinity.precision import choose
+
+    c = quick["profile"]["compute"]
+    assert set(c) == {"hardware", "cpu"} | ({"cuda"} if torch.cuda.is_available() else set())
+    assert c["hardware"]["cpu"]["model"] and "avx512_bf16" in c["hardware"]["cpu"]
+    assert c["hardware"]["torch"] == torch.__version__
+    for name, dtypes in (("cpu", {"fp32", "bf16"}), ("cuda", {"fp32", "bf16", "fp16"})):
+        if name not in c:
+            continue
+        dev = c[name]
+        assert set(dev["gflops"]) == dtypes and all(g > 0 for g in dev["gflops"].values())
+        assert dev["shapes"] == [list(s) for s in COMPUTE_SHAPES] and set(dev["stopped_early"]) < dtypes
+        for key, offloaded in (("params_offloaded", True), ("params_not_offloaded", False)):
+            want = choose(torch.device(name), COMPUTE_SHAPES, params_offloaded=offloaded, rates=dev)
+            assert dev["auto"][key] == {"param_dtype": want.param_dtype, "compute_dtype": want.compute_dtype,
+                                        "reason": want.reason}
+    cpu = c["cpu"]
+    fast = max(cpu["gflops"], key=cpu["gflops"].get)
+    assert cpu_compute_dtype(c) == fast == cpu["auto"]["params_not_offloaded"]["compute_dtype"]
+
+
+def _modeled_step_s(a: torch.Tensor, w: torch.Tensor, fp32_gflops: float, bf16_gflops: float) -> float:
+    """A linear layer's three matmuls on a CPU whose bf16 is emulated (compute-bound at ``bf16_gflops``) and
+    whose fp32 runs at ``fp32_gflops`` but, for a weight past its 4 MiB of cache, first reads it from
+    memory at 2 GB/s each matmul (what makes a few rows' fp32 steps slow)."""
+    flops = 3 * 2.0 * a.shape[0] * w.shape[0] * w.shape[1]
+    if a.dtype == torch.bfloat16:
+        return flops / (bf16_gflops * 1e9)
+    weight_bytes = 4 * w.numel()
+    return (3 * weight_bytes / 2e9 if weight_bytes > 4 * MiB else 0.0) + flops / (fp32_gflops * 1e9)
+
+
+@pytest.mark.parametrize("fp32_gflops, bf16_gflops", [
+    (100.0, 2.0),    # emulated bf16 under 4x slower than fp32 at 8 rows of a 2048 x 2048 weight
+    (100.0, 0.05),   # a bf16 far slower still
+    (3.0, 1.0),      # a slow CPU: bf16 3x slower, both slow; its full-size rounds would take a minute
+], ids=["bf16-close-at-8-rows", "bf16-very-slow", "slow-cpu"])
+def test_a_far_slower_dtype_is_stopped_before_its_full_size_probe(monkeypatch, fp32_gflops, bf16_gflops):
+    """The compute section on a CPU whose bf16 is emulated (its matmul steps stubbed with modeled times):
+    bf16 is only ever timed at the first look's small weight, never at the full shapes, however its rate
+    at measure_rates' own 8-row first pass compares; its figure is the first look's, marked stopped early;
+    ``auto`` computes in fp32 and keeps offloaded parameters in bf16."""
+    from infinity import precision
+
+    bf16_steps = []
+
+    def modeled(a, w):
+        if a.dtype == torch.bfloat16:
+            bf16_steps.append((a.shape[0], tuple(w.shape)))
+        return _modeled_step_s(a, w, fp32_gflops, bf16_gflops)
+
+    monkeypatch.setattr(precision, "_time_step", modeled)
+    c = measure_compute(quick=True)
+    cpu = c["cpu"]
+    assert {shape for _, shape in bf16_steps} == {prof.SCREEN_SHAPE}   # never a full-size bf16 step
+    assert max(rows for rows, _ in bf16_steps) == prof.SCREEN_ROWS
+    assert cpu["stopped_early"] == ["bf16"] and cpu["gflops"]["bf16"] == pytest.approx(bf16_gflops)
+    assert cpu["gflops"]["bf16"] == cpu["screen"]["gflops"]["bf16"] and cpu["gflops"]["fp32"] > 0
+    off = cpu["auto"]["params_offloaded"]
+    assert (off["param_dtype"], off["compute_dtype"]) == ("bf16", "fp32")
+    assert cpu["auto"]["params_not_offloaded"]["param_dtype"] == "fp32" == cpu_compute_dtype(c)
+
+
+def test_the_close_case_is_one_measure_rates_first_pass_misses():
+    """The first parametrization above is the hard case: at 8 rows of a 2048 x 2048 weight (the first pass
+    of :func:`infinity.precision.measure_rates` at the compute shapes) its fp32 is less than
+    FAR_SLOWER times bf16's rate, and at the first look's small weight far more."""
+    from infinity.precision import EARLY_ROWS, FAR_SLOWER
+
+    def ratio(rows, shape):
+        a, w = torch.empty(rows, shape[0]), torch.empty(*shape)
+        return _modeled_step_s(a.bfloat16(), w, 100.0, 2.0) / _modeled_step_s(a, w, 100.0, 2.0)
+    assert COMPUTE_SHAPES[len(COMPUTE_SHAPES) // 2] == (2048, 2048)
+    assert ratio(EARLY_ROWS, (2048, 2048)) < FAR_SLOWER < ratio(prof.SCREEN_ROWS, prof.SCREEN_SHAPE)
+
+
+def test_contention_probe_is_sized_from_the_rate_in_the_dtype_given():
+    """The contention probe computes in the dtype it is given, its rows sized so one pass takes about
+    CONTENTION_PROBE_S at the measured rate: fewer rows on a slower CPU, within 16 and 2048."""
+    probe, text = prof._contention_probe("fp32", 50.0)
+    assert text.startswith("fp32 (") and prof._contention_rows(50.0, 2048) == 176   # 0.25 s of 67 MFLOP rows
+    assert prof._contention_rows(1.0, 2048) == 16 and prof._contention_rows(1e6, 2048) == 2048
+    _, text = prof._contention_probe("bf16", 1e6)
+    assert text.startswith("bf16 (2048 x 2048)")
+
+
+def test_profiles_without_a_compute_section_still_load(quick, tmp_path):
+    """A profile written before the compute section (or without it) gives the planner the same rates."""
+    from infinity.plan.rates import Rates, load_profile
+
+    old = {k: v for k, v in quick["profile"].items() if k != "compute"}
+    (tmp_path / PROFILE_JSON).write_text(json.dumps(old))
+    assert load_profile(tmp_path) == Rates.from_profile(quick["profile"], source=str(tmp_path / PROFILE_JSON))
 
 
 def test_io_section_is_the_best_row_and_loads_as_config(quick):
@@ -202,8 +306,12 @@ def test_a_failing_disk_in_the_contention_probe_names_the_directory(tmp_path, mo
     ProfileError naming the directory and the probe, not a traceback (the cheap sections are faked)."""
     import errno
 
-    from infinity import profile as prof
     monkeypatch.setattr(prof, "measure_memcpy", lambda *a, **k: {})
+    fp32 = {"param_dtype": "fp32", "compute_dtype": "fp32"}
+    monkeypatch.setattr(prof, "measure_compute", lambda *a, **k: {
+        "hardware": {"cpu": {"model": "x", "torch_cpu_capability": "x", "threads": 1}},
+        "cpu": {"gflops": {"fp32": 1.0}, "stopped_early": [],
+                "auto": {"params_offloaded": fp32, "params_not_offloaded": fp32}}})
     monkeypatch.setattr(prof, "measure_host_device", lambda *a, **k: {})
     row = {"block_bytes": MiB, "queue_depth": 1, "threads": 1, "read_gbps": 1.0, "write_gbps": 1.0}
     monkeypatch.setattr(prof, "measure_nvme", lambda *a, **k: {"sweep": [row]})
