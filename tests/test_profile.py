@@ -1,8 +1,10 @@
 """``infinity profile``: every section measured, the io section loadable, files written, bad input exit 2."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,16 +23,73 @@ REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
 
 
+# How many times the work's expected seconds the quick profile may take before it counts as hung: the rates
+# are measured once, beside whatever else shares the machine, and the profile runs later beside it too.
+WORK_MARGIN = 10
+
+
+def _disk_gbps(directory: Path, nbytes: int = 64 * MiB) -> float:
+    """This disk's GB/s writing ``nbytes`` (flushed) and reading them back from the disk, both ways counted."""
+    path = directory / "rate.bin"
+    data = os.urandom(nbytes)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # the read comes from the disk, not the cache
+        os.pread(fd, nbytes, 0)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return 2 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _memory_gbps(nbytes: int = 128 * MiB) -> float:
+    """Host memory GB/s of a tensor copy, bytes read and written counted, best of three."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = min(prof._wall_times(lambda: dst.copy_(src), 3))
+    return 2 * nbytes / best / 1e9
+
+
+def quick_profile_work_s(swap: Path, nproc: int = 2) -> float:
+    """Seconds the work of ``infinity profile --quick`` takes here, from this machine's rates measured now:
+    the bytes it moves through the disk and through memory at their rates, its compute sections at their
+    own bounds (the compute section timed, the contention probe's passes at their target), and starting
+    its processes (this one and ``nproc`` ranks, each importing the package)."""
+    opts = ProfileOptions(quick=True, nproc=nproc)
+    base, repeats = opts.base_bytes, opts.repeats
+    point = base // 4
+    points = prof._sweep_points(True, point)
+    raw_rows = {(block, threads) for block, threads, _ in points}
+    # each written and read: the sweep's points, the raw rows, the mixed point's first write and rounds
+    disk_bytes = 2 * point * (len(points) + len(raw_rows) + 1 + repeats)
+    memcpy_bytes = 2 * base * 3 * (repeats + 1)   # copy_, memmove, into fresh memory; a warm-up each
+    formats = len(MASTER_FORMATS) * len(MOMENT_FORMATS) + 1   # each format, and torch's fused AdamW
+    adam_bytes = base * (repeats + 1) * formats   # 16 bytes of state a parameter, base // 16 parameters
+    collective_bytes = 3 * 2 * (base // 256 + base // 64 + base // 16) * (3 + 1)   # 3 ops, bus factor <= 2
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import infinity.profile"], cwd=REPO, check=True)
+    start_s = (1 + nproc) * (time.perf_counter() - t0)
+    compute_s = measure_compute(quick=True)["cpu"]["elapsed_s"]
+    # the probe: a warm-up and repeats alone, repeats beside the disk, the disk alone for at least a second
+    contention_s = (1 + 2 * repeats) * prof.CONTENTION_PROBE_S + max(1.0, 2 * prof.CONTENTION_PROBE_S)
+    return (disk_bytes / 1e9 / _disk_gbps(swap) + (memcpy_bytes + adam_bytes + collective_bytes) / 1e9 / _memory_gbps()
+            + start_s + compute_s + contention_s)
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """One real ``infinity profile --quick --json`` run (the program, in its own process), default sizes."""
+    """One real ``infinity profile --quick --json`` run (the program, in its own process), default sizes;
+    given :data:`WORK_MARGIN` times its work's seconds here before it counts as hung."""
     root = tmp_path_factory.mktemp("profile")
     out, swap = root / "out", root / "swap"
     swap.mkdir()
+    timeout_s = WORK_MARGIN * quick_profile_work_s(swap)
     proc = subprocess.run(
         [sys.executable, "-m", "infinity.cli", "profile", "--quick", "--json",
          "--out", str(out), "--dir", str(swap), "--nproc", "2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
     assert proc.returncode == 0, proc.stderr
     return {"profile": json.loads(proc.stdout), "out": out, "swap": swap}
 
