@@ -56,6 +56,8 @@ WARN_RATIO = 1.5
 # Weight shapes probed, at most: the model's most common (by elements) two-dimensional weights.
 MAX_SHAPES = 3
 DEFAULT_SHAPES = ((1024, 1024), (1024, 4096))
+# Environment variables that hold torch's CPU kernels below the CPU's instruction set.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
 
 # ---------------------------------------------------------------- the hardware
@@ -84,6 +86,8 @@ def cpu_description() -> dict:
     info["amx_bf16"] = "amx_bf16" in flags
     info["avx512f"] = "avx512f" in flags
     info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    # kernels held below what the CPU has (e.g. to AVX2: then bf16 is emulated despite the flags)
+    info["isa_caps"] = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
     info["threads"] = torch.get_num_threads()
     info["cores"] = os.cpu_count()
     return info
@@ -171,7 +175,7 @@ def _cache_key(shapes, dtypes) -> str:
     parts = [cpu_flags(), json.dumps(cpu_description(), sort_keys=True).encode(), torch.__version__.encode(),
              json.dumps([list(s) for s in shapes]).encode(), ",".join(dtypes).encode(), str(PROBE_ROWS).encode(),
              # the kernels' instruction-set caps change the rates on the same CPU
-             *(os.environ.get(k, "").encode() for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"))]
+             *(os.environ.get(k, "").encode() for k in ISA_CAPS)]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 

@@ -26,6 +26,8 @@ def line(record: dict) -> str:
     text = (f"CPU {cpu['model']} (family {cpu.get('family')}, model {cpu.get('model_number')}), bf16 native: "
             f"{native}, torch kernels {cpu.get('torch_cpu_capability')}, {cpu.get('threads')} threads of "
             f"{cpu.get('cores')} cores, torch {record.get('torch')}")
+    if cpu.get("isa_caps"):
+        text += f"; kernels held by {', '.join(f'{k}={v}' for k, v in cpu['isa_caps'].items())}"
     cuda = record.get("cuda")
     if cuda:
         text += f"; CUDA {cuda['name']} (compute capability {'.'.join(str(v) for v in cuda['capability'])})"
