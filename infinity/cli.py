@@ -334,8 +334,14 @@ def _add_plan(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, metavar="T",
                    help="tokens per rank per step (default: infinity train's default batch over --devices)")
     p.add_argument("--seq-len", type=int, default=None, metavar="L", help="sequence length (default as infinity train)")
-    p.add_argument("--param-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="precision.param_dtype (default auto: measured on this machine, infinity.precision)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="an infinity or DeepSpeed (ds_config.json) config to plan from: its precision, optimizer, "
+                        "schedule and other keys are kept, its memory budgets are the grant (unless --host-bytes / "
+                        "--device-bytes), and the planner chooses stage, placement, prefetch and I/O (--fix one to "
+                        "keep it)")
+    p.add_argument("--param-dtype", default=None, choices=("auto", "bf16", "fp16", "fp32"),
+                   help="precision.param_dtype (default: --config's, else auto: measured on this machine, "
+                        "infinity.precision)")
     p.add_argument("--swap-dir", default=None, metavar="DIR", help="nvme_path of the chosen config (default ./infinity_swap)")
     p.add_argument("--fix", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="plan with this knob fixed (repeatable), e.g. --fix zero.stage=3 --fix offload.optimizer=none")
@@ -362,12 +368,20 @@ def _run_plan(args) -> int:
             raise UsageError(f"--fix {item!r}: expected SECTION.KEY=VALUE, e.g. zero.stage=3")
         key = key.strip()
         fixed[key] = parse_size(text, f"--fix {key}") if key.endswith("bytes") else yaml.safe_load(text)
+    base, grant = _plan_base(args.config)
+
+    def granted(value, flag, key):   # the flag, else the config's budget; "auto": the tiers' auto
+        if value is None:
+            return grant.get(key)
+        return None if value == "auto" else parse_size(value, flag)
+
     try:
         request = request_for_model(
             args.model, tokens=args.tokens, world=args.devices,
-            host_bytes=None if args.host_bytes in (None, "auto") else parse_size(args.host_bytes, "--host-bytes"),
-            device_bytes=None if args.device_bytes in (None, "auto") else parse_size(args.device_bytes, "--device-bytes"),
-            swap_dir=args.swap_dir, param_dtype=args.param_dtype, seq_len=args.seq_len, fixed=fixed)
+            host_bytes=granted(args.host_bytes, "--host-bytes", "host_bytes"),
+            device_bytes=granted(args.device_bytes, "--device-bytes", "device_bytes"),
+            swap_dir=args.swap_dir or grant.get("nvme_path"), base=base, seq_len=args.seq_len, fixed=fixed,
+            param_dtype=args.param_dtype or (base.get("precision") or {}).get("param_dtype", "auto"))
         plan = plan_model(request, args.profile, None if args.json else (lambda m: print(m, file=sys.stderr)))
     except (InfeasiblePlan, PlanInputError, TrainError) as e:
         raise UsageError(str(e)) from None
@@ -379,6 +393,19 @@ def _run_plan(args) -> int:
     else:
         print("\n".join(describe(plan)))
     return 0
+
+
+def _plan_base(path: str | None) -> tuple:
+    """``(base sections, grant)`` of ``infinity plan --config``: the sections the plan keeps (all but the tiers,
+    prefetch and I/O, which it sizes; its knobs override the rest) and the config's memory budgets and swap
+    directory where it gives them."""
+    if path is None:
+        return {}, {}
+    from infinity.config import Config
+    config = Config.from_file(path).to_dict()
+    tiers = config["tiers"]
+    grant = {k: tiers[k] for k in ("host_bytes", "device_bytes", "nvme_path") if tiers[k] not in (None, "auto")}
+    return {k: v for k, v in config.items() if k not in ("tiers", "prefetch", "io")}, grant
 
 
 # ---------------------------------------------------------------- consolidate

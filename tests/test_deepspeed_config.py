@@ -201,3 +201,22 @@ def test_infinity_train_accumulates_as_the_deepspeed_config_says(tmp_path, capsy
     assert yaml.safe_load(capsys.readouterr().out)["schedule"]["accum_steps"] == 2
     assert main(["train", "--config", str(ds), "--print-config", "--accum", "1"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["schedule"]["accum_steps"] == 1
+
+
+def test_infinity_plan_plans_from_a_deepspeed_config(tmp_path, capsys):
+    """``infinity plan --config ds.json`` keeps what the file says of precision, optimizer and schedule and
+    chooses the rest; the plan it prints is a config with those values."""
+    from plan_cases import write_profile
+
+    from infinity.cli import main
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({
+        "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.98], "weight_decay": 0.05}},
+        "gradient_clipping": 0.7, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    assert main(["plan", "--model", "tiny:n_layer=2,n_embd=64,n_head=4,block_size=32", "--config", str(ds),
+                 "--host-bytes", "8MiB", "--device-bytes", "2MiB", "--profile", write_profile(tmp_path / "p.json"),
+                 "--tokens", "64", "--swap-dir", str(tmp_path / "swap"), "--json"]) == 0
+    chosen = Config.from_dict(json.loads(capsys.readouterr().out)["config"])
+    assert (chosen.optimizer.lr, chosen.optimizer.betas, chosen.optimizer.weight_decay) == (2e-4, (0.9, 0.98), 0.05)
+    assert chosen.schedule.clip_grad_norm == 0.7 and chosen.precision.param_dtype == "fp32"
