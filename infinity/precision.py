@@ -6,7 +6,7 @@ depends on the instruction set: with ``avx512_bf16`` or AMX, torch's bf16 matmul
 is faster than fp32; without them it falls to a reference loop some 50-90x
 slower. So ``precision.param_dtype: auto`` decides by capability on CUDA and by
 a short matmul probe at the model's own shapes on a CPU (:func:`measure_rates`,
-bounded to about a second, cached per machine and torch version beside the
+bounded to seconds, cached per machine and torch version beside the
 native-kernel cache).
 
 Two dtypes are chosen (:class:`PrecisionChoice`): the stored one, which the
@@ -45,9 +45,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # The probe's rows (tokens): enough for the matmul kernels' steady rate, small enough for milliseconds.
 PROBE_ROWS = 256
-# A first pass at a few rows finds a dtype that is far slower (an emulated bf16 is 50-90x slower);
-# it is not measured further.
-EARLY_ROWS = 8
+# A first look at each dtype before the full shapes: SCREEN_LOOKS turns of one small weight at
+# SCREEN_ROWS rows, on one thread, each dtype's best. There fp32 runs near its steady rate (the weight
+# stays in cache) and a dtype emulated in software shows some 15-90x slower (its look takes about a
+# second at 1 GFLOP/s). One thread, as a step of milliseconds on several measures how soon a busy
+# machine's scheduler wakes the others more than the kernel. A few rows of a large weight would not do:
+# fp32 then reads the whole weight from memory and runs at a tenth of its rate, so an emulated bf16 can
+# look less than FAR_SLOWER slower (under AVX2 caps: fp32 4.1, bf16 0.9 GFLOP/s at 8 x 2048 x 2048).
+SCREEN_SHAPE = (768, 768)
+SCREEN_ROWS = 64
+SCREEN_LOOKS = 3
+# A dtype FAR_SLOWER than the fastest at the first look is not measured further, nor one whose two
+# full-size rounds (the fewest the probe runs) would take more than FAR_SLOWER budgets at that rate.
 FAR_SLOWER = 4.0
 # Time the full-size probe may take, all dtypes together.
 PROBE_BUDGET_S = 0.6
@@ -123,10 +132,14 @@ def model_shapes(model: nn.Module, limit: int = MAX_SHAPES) -> tuple:
 
 def _time_step(a: torch.Tensor, w: torch.Tensor) -> float:
     """Seconds for one linear layer's three matmuls: forward, input gradient, weight gradient."""
+    if a.is_cuda:   # CUDA: the matmuls are queued, not done, when the calls return
+        torch.cuda.synchronize(a.device)
     t0 = time.perf_counter()
     y = a @ w
     y @ w.t()
     a.t() @ y
+    if a.is_cuda:
+        torch.cuda.synchronize(a.device)
     return time.perf_counter() - t0
 
 
@@ -134,30 +147,44 @@ def _flops(rows: int, shape: tuple) -> float:
     return 3 * 2.0 * rows * shape[0] * shape[1]
 
 
+def _screen(dtypes, device, gen: torch.Generator) -> dict:
+    """GFLOP/s of each dtype at the first look (:data:`SCREEN_SHAPE`, :data:`SCREEN_ROWS` rows, one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        inputs = {n: (torch.randn(SCREEN_ROWS, SCREEN_SHAPE[0], generator=gen).to(device, DTYPES[n]),
+                      torch.randn(*SCREEN_SHAPE, generator=gen).to(device, DTYPES[n])) for n in dtypes}
+        for n in dtypes:
+            _time_step(*inputs[n])   # the first call loads kernels and sizes caches
+        best = dict.fromkeys(dtypes, float("inf"))
+        for _ in range(SCREEN_LOOKS):   # in turns: a burst of load from elsewhere misses one of them
+            for n in dtypes:
+                best[n] = min(best[n], _time_step(*inputs[n]))
+    finally:
+        torch.set_num_threads(threads)
+    return {n: _flops(SCREEN_ROWS, SCREEN_SHAPE) / best[n] / 1e9 for n in dtypes}
+
+
 def measure_rates(shapes, dtypes=("fp32", "bf16"), rows: int = PROBE_ROWS, budget_s: float = PROBE_BUDGET_S,
                   device: torch.device | str = "cpu") -> dict:
     """GFLOP/s of each dtype's linear-layer matmuls (forward and both gradients) at ``shapes``, with
-    ``rows`` tokens. Bounded on any machine: a first pass at :data:`EARLY_ROWS` rows drops a dtype more
-    than :data:`FAR_SLOWER` times slower than the fastest (its figure is that pass's, marked in
-    ``"stopped_early"``); the rest are measured in turns, best time per shape, for about ``budget_s``.
-    Returns ``{"gflops": {dtype: rate}, "stopped_early": [dtypes], "rows": rows, "shapes": shapes}``."""
+    ``rows`` tokens. Bounded on any machine: a first look (:func:`_screen`) drops a dtype that is far
+    slower (see :data:`FAR_SLOWER`; its figure is the look's, listed in ``"stopped_early"``); the rest
+    are measured in turns, best time per shape, for about ``budget_s`` (two rounds at least).
+    Returns ``{"gflops": {dtype: rate}, "stopped_early": [dtypes], "rows", "shapes", "screen"}``."""
     gen = torch.Generator().manual_seed(0)
-    small = {}
-    probe_shape = shapes[len(shapes) // 2]
-    for name in dtypes:
-        a = torch.randn(EARLY_ROWS, probe_shape[0], generator=gen).to(device, DTYPES[name])
-        w = torch.randn(*probe_shape, generator=gen).to(device, DTYPES[name])
-        _time_step(a, w)   # the first call loads kernels and sizes caches
-        small[name] = _flops(EARLY_ROWS, probe_shape) / min(_time_step(a, w) for _ in range(2)) / 1e9
-    fastest = max(small.values())
-    stopped = [n for n in dtypes if small[n] * FAR_SLOWER < fastest]
+    screen = _screen(dtypes, device, gen)
+    fastest = max(screen.values())
+    round_flops = sum(_flops(rows, s) for s in shapes)
+    stopped = [n for n in dtypes if screen[n] < fastest and (
+        screen[n] * FAR_SLOWER < fastest or 2 * round_flops / (screen[n] * 1e9) > FAR_SLOWER * budget_s)]
     kept = [n for n in dtypes if n not in stopped]
     inputs = {n: [(torch.randn(rows, s[0], generator=gen).to(device, DTYPES[n]),
                    torch.randn(*s, generator=gen).to(device, DTYPES[n])) for s in shapes] for n in kept}
     best = {n: [float("inf")] * len(shapes) for n in kept}
     deadline = time.perf_counter() + budget_s
     rounds = 0
-    while rounds < 2 or (time.perf_counter() < deadline and rounds < 50):
+    while rounds < 3 or (time.perf_counter() < deadline and rounds < 50):
         for n in kept:   # in turns, so a burst of load from elsewhere hits both dtypes alike
             for i, (a, w) in enumerate(inputs[n]):
                 if rounds:   # round 0 warms up
@@ -165,10 +192,11 @@ def measure_rates(shapes, dtypes=("fp32", "bf16"), rows: int = PROBE_ROWS, budge
                 else:
                     _time_step(a, w)
         rounds += 1
-    work = sum(_flops(rows, s) for s in shapes)
-    gflops = {n: work / sum(best[n]) / 1e9 for n in kept}
-    gflops.update({n: small[n] for n in stopped})
-    return {"gflops": gflops, "stopped_early": stopped, "rows": rows, "shapes": [list(s) for s in shapes]}
+    gflops = {n: round_flops / sum(best[n]) / 1e9 for n in kept}
+    gflops.update({n: screen[n] for n in stopped})
+    return {"gflops": {n: gflops[n] for n in dtypes}, "stopped_early": stopped, "rows": rows,
+            "shapes": [list(s) for s in shapes],
+            "screen": {"shape": list(SCREEN_SHAPE), "rows": SCREEN_ROWS, "threads": 1, "gflops": screen}}
 
 
 def _cache_key(shapes, dtypes) -> str:

@@ -82,7 +82,7 @@ from infinity.io.syscalls import O_DIRECT
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import split_bf16_
-from infinity.precision import DTYPES, FAR_SLOWER, choose, hardware_record, measure_rates
+from infinity.precision import DTYPES, choose, hardware_record, measure_rates
 
 __all__ = [
     "ProfileError",
@@ -135,21 +135,6 @@ COMPUTE_SHAPES = ((768, 768), (768, 3072), (2048, 2048), (2048, 8192))
 # rounds run whatever the budget: the shapes above are small enough for that to stay in seconds).
 COMPUTE_BUDGET_S = {True: 0.5, False: 2.0}   # by --quick
 COMPUTE_ROWS = 256   # tokens: the matmul kernels' steady rate, milliseconds a step at fp32's
-# A first look at each dtype before the full shapes: SCREEN_LOOKS turns of one small weight at 64 rows,
-# each dtype on its own and on one thread. There fp32 runs near its steady rate (the weight stays in
-# cache) and a dtype emulated in software shows some 15x slower (its looks take about 1.6 s at
-# 1 GFLOP/s). One thread, as a step of milliseconds on several measures how soon a busy machine's
-# scheduler wakes the others (45 ms a step here, under load) more than the kernel. A dtype other than
-# the fastest there is not measured at the full shapes when it is FAR_SLOWER, or when at its rate there
-# its two full-size rounds (the fewest measure_rates runs) would take more than FAR_SLOWER budgets (a
-# CPU slow at every dtype). measure_rates' own first pass (8 rows of its middle shape, every dtype) is
-# not enough alone: fp32 reads the whole weight from memory for 8 rows there and runs at a tenth of its
-# rate, and stalls hit such short steps hardest, so an emulated bf16 can look less than 4x slower
-# (under AVX2 caps: fp32 4.1, bf16 0.9 GFLOP/s) and run its full-size rounds (110 s in a quick profile).
-SCREEN_SHAPE = (768, 768)
-SCREEN_ROWS = 64
-SCREEN_BUDGET_S = 0.1   # a look's, each dtype's: the best step of its rounds
-SCREEN_LOOKS = 3
 # One pass of the contention probe: long enough that a disk round's burst of CPU falls inside it, short
 # enough that its repeats (alone and beside the disk) stay a few seconds at any rate.
 CONTENTION_PROBE_S = 0.25
@@ -321,32 +306,11 @@ def _choice_record(choice) -> dict:
 
 
 def _device_compute(device: torch.device, dtypes: tuple, budget_s: float) -> dict:
-    """One device's matmul rates at :data:`COMPUTE_SHAPES` and the ``auto`` answers they give. A dtype
-    :data:`~infinity.precision.FAR_SLOWER` than the fastest at :data:`SCREEN_SHAPE`, or too slow there for
-    two full-size rounds in that many budgets, is not measured at the full shapes: its figure is the
-    screen's (``screen``, one thread: it only understates the slower dtype), and it is listed in
-    ``stopped_early``."""
+    """One device's matmul rates at :data:`COMPUTE_SHAPES` (:func:`~infinity.precision.measure_rates`:
+    a dtype far slower at its first look is not measured at the full shapes, and is listed in
+    ``stopped_early``) and the ``auto`` answers they give."""
     t0 = time.perf_counter()
-    screen = dict.fromkeys(dtypes, 0.0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for _ in range(SCREEN_LOOKS):   # in turns, each dtype's best look: a burst of load misses one of them
-            for d in dtypes:
-                look = measure_rates((SCREEN_SHAPE,), (d,), rows=SCREEN_ROWS, budget_s=SCREEN_BUDGET_S,
-                                     device=device)
-                screen[d] = max(screen[d], look["gflops"][d])
-    finally:
-        torch.set_num_threads(threads)
-    fastest = max(screen, key=screen.get)
-    round_flops = sum(3 * 2.0 * COMPUTE_ROWS * d * f for d, f in COMPUTE_SHAPES)   # forward, both gradients
-    slow = [d for d in dtypes if d != fastest and (screen[d] * FAR_SLOWER < screen[fastest] or
-                                                   2 * round_flops / (screen[d] * 1e9) > FAR_SLOWER * budget_s)]
-    rates = measure_rates(COMPUTE_SHAPES, tuple(d for d in dtypes if d not in slow), rows=COMPUTE_ROWS,
-                          budget_s=budget_s, device=device)
-    rates["gflops"] = {d: rates["gflops"].get(d, screen[d]) for d in dtypes}
-    rates["stopped_early"] = [d for d in dtypes if d in slow or d in rates["stopped_early"]]
-    rates["screen"] = {"shape": list(SCREEN_SHAPE), "rows": SCREEN_ROWS, "threads": 1, "gflops": screen}
+    rates = measure_rates(COMPUTE_SHAPES, dtypes, rows=COMPUTE_ROWS, budget_s=budget_s, device=device)
     rates["elapsed_s"] = time.perf_counter() - t0
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     rates["auto"] = {key: _choice_record(choose(device, COMPUTE_SHAPES, params_offloaded=offloaded,
