@@ -281,6 +281,10 @@ def _print_profile(profile: dict, paths: dict) -> None:
     print(f"memcpy       {mc['gbps']:.2f} GB/s ({mc['threads']} threads), {mc['single_thread_gbps']:.2f} GB/s "
           f"(1 thread), {_size(mc['bytes'])} buffer" + (f"; into fresh memory {mc['fresh_gbps']:.2f} GB/s "
                                                          "(its page faults)" if "fresh_gbps" in mc else ""))
+    if "compute" in profile:   # profiles from before the compute section have none
+        from infinity.profile import describe_compute
+        for line in describe_compute(profile["compute"]):
+            print(f"compute      {line}")
     if hd["available"]:
         print(f"host-device  pinned h2d {hd['h2d_pinned_gbps']:.2f} / d2h {hd['d2h_pinned_gbps']:.2f} GB/s, "
               f"pageable h2d {hd['h2d_pageable_gbps']:.2f} / d2h {hd['d2h_pageable_gbps']:.2f} GB/s")
