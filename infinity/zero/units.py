@@ -433,6 +433,7 @@ def memory_bytes(units: list, arena: torch.Tensor | None) -> dict:
 
     for u in units:
         count("params", u.full_param)
+        count("params", u.compute_param)   # the upcast copy a gathered unit computes in, if any
         count("grads", u.full_grad)
         for cls in TensorClass:
             if u.shard is not None and u.shard.has(cls) and not u.shard.keys(cls):
