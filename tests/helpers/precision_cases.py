@@ -45,7 +45,7 @@ def reference_split(spec: dict) -> dict:
         for pm, pc in zip(master.parameters(), compute.parameters()):
             pm.grad, pc.grad = pc.grad, None
         opt.step()
-        drift.after_step(opt, reduction_numel=ids.numel())
+        drift.after_step(opt, tokens=ids.numel())
         opt.zero_grad()
     _round_into(master, compute)
     return {"losses": losses, "norms": [], "init": init, "param_tol": drift.bound,
