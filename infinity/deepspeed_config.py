@@ -102,7 +102,8 @@ KEYS: dict = {k.path: k for k in (
        ">= 2) the reduced gradients the CPU Adam reads, as DeepSpeed keeps them beside the states; stage >= 2 also "
        "overlaps each unit's update with compute (exact: bitwise the update after backward)"),
     _k("zero_optimization.offload_optimizer.nvme_path", MAPS, "tiers.nvme_path", "as offload_param.nvme_path"),
-    _k("zero_optimization.offload_optimizer.pin_memory", SIZED, note="as offload_param.pin_memory"),
+    _k("zero_optimization.offload_optimizer.pin_memory", SIZED, note="the host tier's buffers are page-locked "
+       "whenever a CUDA device computes, at exactly their size; nothing is pinned on a CPU"),
     _k("zero_optimization.offload_optimizer.buffer_count", SIZED, note="the update pipeline holds at most 3 jobs of "
        "offload.chunk_bytes each"),
     _k("zero_optimization.offload_optimizer.pipeline_read", SIZED, note="the optimizer's reads, update and "
@@ -158,8 +159,9 @@ KEYS: dict = {k.path: k for k in (
     _k("aio.use_gds", REFUSED, note="NVMe data moves through host memory (no GPUDirect Storage)", accepted=(False,)),
     # ---- precision
     _k("bf16", SECTION),
-    _k("bf16.enabled", MAPS, "precision.param_dtype", "true: bf16 (fp32 master); auto: the Trainer's bf16 "
-       "argument, without a Trainer param_dtype auto (measured); neither bf16 nor fp16: fp32"),
+    _k("bf16.enabled", MAPS, "precision.param_dtype", "true: bf16 (fp32 master); auto (or no bf16 section under a "
+       "Trainer): the Trainer's bf16 argument; auto without a Trainer: param_dtype auto (measured); neither bf16 "
+       "nor fp16: fp32"),
     _k("bf16.immediate_grad_update", SIZED, note="gradients are folded into their shard as each unit's backward ends"),
     _k("fp16", SECTION),
     _k("fp16.enabled", MAPS, "precision.param_dtype", "true: fp16 with loss scaling (fp32 master); auto: as "
@@ -170,7 +172,7 @@ KEYS: dict = {k.path: k for k in (
        "doubles"),
     _k("fp16.hysteresis", SIZED, note="the dynamic scale halves at every overflowing step (hysteresis 1); a delayed "
        "halving only changes how soon the scale falls, each overflowing step is skipped either way"),
-    _k("fp16.consecutive_hysteresis", SIZED, note="as fp16.hysteresis"),
+    _k("fp16.consecutive_hysteresis", SIZED, note="the dynamic scale halves at every overflowing step"),
     _k("fp16.min_loss_scale", REFUSED, note="the dynamic scale floors at 1 (set 1)", accepted=(1, 1.0)),
     _k("fp16.auto_cast", SIZED, note="forward runs in the parameters' dtype; inputs are the model's business"),
     _k("fp16.fp16_master_weights_and_grads", REFUSED, note="the master is fp32 (or its exact 16-bit remainder, "
@@ -271,7 +273,8 @@ class TrainerValues:
                    int(args.gradient_accumulation_steps), int(args.per_device_train_batch_size),
                    int(args.world_size), bool(args.bf16 or getattr(args, "bf16_full_eval", False)),
                    bool(args.fp16 or getattr(args, "fp16_full_eval", False)),
-                   bool(getattr(args, "gradient_checkpointing", False)))
+                   bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing",
+                                                                                    False)))
 
 
 @dataclass(frozen=True)
@@ -424,8 +427,10 @@ class _Reader:
 
     def _precision(self) -> None:
         t = self.trainer
-        bf16 = self.fill("bf16.enabled", self.flag("bf16.enabled"), t and t.bf16, "bf16")
-        fp16 = self.fill("fp16.enabled", self.flag("fp16.enabled"), t and t.fp16, "fp16")
+        # under a Trainer an absent bf16 / fp16 section follows its flag, as accelerate adds the section for it
+        missing = AUTO if t is not None else None
+        bf16 = self.fill("bf16.enabled", self.flag("bf16.enabled", missing), t and t.bf16, "bf16")
+        fp16 = self.fill("fp16.enabled", self.flag("fp16.enabled", missing), t and t.fp16, "fp16")
         if bf16 is True and fp16 is True:
             raise ConfigError("DeepSpeed bf16.enabled and fp16.enabled are both true; enable one")
         auto = AUTO in (self.get("bf16.enabled"), self.get("fp16.enabled")) and t is None

@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "infinity"
-# lowest first; a module may import its own layer and any lower one
+# lowest first; a module may import its own layer and any lower one (DESIGN puts integrations and train side by
+# side; the Trainer integration builds infinity train's LR schedule, so train sits just below)
 ORDER = ["transitions", "native_build", "config", "precision", "io", "trace", "store", "optim", "schedule", "comm", "parallel", "zero",
-         "initialization", "checkpoint", "estimate", "profile", "plan", "integrations", "train", "cli"]
+         "initialization", "checkpoint", "estimate", "profile", "plan", "train", "integrations", "cli"]
 LEAVES = {"models", "data"}   # the demo model and corpus: usable from anywhere, importing only the config
 IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)
 

@@ -17,20 +17,92 @@ an error):
   So the Trainer's own precision (``fp16`` / ``bf16``, accelerate's
   ``mixed_precision``), activation checkpointing, ``torch_compile``, DeepSpeed,
   FSDP and ``DataParallel`` are refused, each naming what to use instead.
+- A DeepSpeed config (:mod:`infinity.deepspeed_config`) is read as transformers
+  reads one for its DeepSpeed integration: ``"auto"`` values come from the
+  arguments (an explicit one that disagrees is refused), ``bf16`` / ``fp16`` and
+  gradient checkpointing are taken over by the config (``"auto"`` precision
+  follows them; checkpointing becomes ``zero.activation_checkpointing``), and a
+  ``scheduler`` in it is the run's schedule instead of ``lr_scheduler_type``.
 """
 
 from __future__ import annotations
 
-from infinity.config import Config, OptimizerConfig, ScheduleConfig
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["trainer_config", "check_arguments", "check_trainer_kwargs", "check_accelerator", "TORCH_ADAMW"]
+import yaml
+
+from infinity.config import Config, ConfigError, OptimizerConfig, ScheduleConfig
+from infinity.deepspeed_config import TrainerValues, is_deepspeed, read_deepspeed
+
+__all__ = ["TrainerSetup", "load_trainer_config", "trainer_config", "check_arguments", "check_trainer_kwargs",
+           "check_accelerator", "TORCH_ADAMW"]
 
 # the Trainer's optim names that are torch.optim.AdamW, whose math ZeroAdamW reproduces
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 
-def trainer_config(config: Config, args) -> Config:
-    """``config`` with its optimizer section taken from ``args``; raises on a value that disagrees."""
+# TrainingArguments a DeepSpeed config takes over, as the Trainer's DeepSpeed integration does: its "auto"
+# precision follows them and the engine computes in it (accelerate must not autocast), and gradient
+# checkpointing becomes infinity's per-unit activation checkpointing (the model's own would run inside the units)
+_TAKEN_BY_DEEPSPEED = {"bf16": False, "fp16": False, "bf16_full_eval": False, "fp16_full_eval": False,
+                       "mixed_precision": "no", "gradient_checkpointing": False, "activation_checkpointing": False}
+
+
+@dataclass(frozen=True)
+class TrainerSetup:
+    """The config a trainer runs with, the ``TrainingArguments`` the Trainer itself is given, and, for a DeepSpeed
+    config with a ``scheduler``, that the config's schedule replaces ``lr_scheduler_type`` (its warmup
+    ``"auto"``: the Trainer's warmup steps, known once the run's steps are)."""
+
+    config: Config
+    args: object
+    deepspeed: bool = False
+    schedule_from_config: bool = False
+    auto_warmup: bool = False
+
+
+def load_trainer_config(source, args) -> TrainerSetup:
+    """``source`` (path, dict or Config) as a Trainer reads it. A DeepSpeed config's ``"auto"`` values are filled
+    from ``args`` (an explicit value that disagrees is refused), and the Trainer is given a copy of ``args``
+    without the flags the config took over (``bf16`` / ``fp16``, gradient checkpointing)."""
+    raw = _raw(source)
+    if not is_deepspeed(raw):
+        return TrainerSetup(Config.load(source), args)
+    where = f"{source}: " if isinstance(source, (str, Path)) else ""
+    try:
+        reading = read_deepspeed(raw, TrainerValues.from_training_arguments(args))
+    except ConfigError as e:
+        raise ConfigError(f"{where}{e}") from None
+    taken = {k: v for k, v in _TAKEN_BY_DEEPSPEED.items() if getattr(args, k, v) != v}
+    if taken:
+        args = copy.copy(args)
+        for key, value in taken.items():
+            setattr(args, key, value)
+    # clipping and accumulation were checked against args above; trainer_config sets them from args
+    config = reading.config.replace(schedule={"clip_grad_norm": None, "accum_steps": 1})
+    return TrainerSetup(config, args, True, reading.scheduler, reading.auto_warmup)
+
+
+def _raw(source):
+    """The mapping behind ``source``: a dict, or a file's (JSON by its suffix, else YAML); None for a Config."""
+    if isinstance(source, dict):
+        return source
+    if not isinstance(source, (str, Path)):
+        return None
+    path = Path(source)
+    try:
+        text = path.read_text()
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None   # Config.load reports it, naming the file
+
+
+def trainer_config(config: Config, args, schedule_from_config: bool = False) -> Config:
+    """``config`` with its optimizer section taken from ``args``; raises on a value that disagrees.
+    ``schedule_from_config``: the config's schedule is the run's (a DeepSpeed ``scheduler``), not refused."""
     defaults, ours = OptimizerConfig(), config.optimizer
     wanted = {"lr": ("learning_rate", float(args.learning_rate)),
               "betas": ("adam_beta1, adam_beta2", (float(args.adam_beta1), float(args.adam_beta2))),
@@ -43,7 +115,9 @@ def trainer_config(config: Config, args) -> Config:
                              f"TrainingArguments {arg}={_show(value)}; the Trainer's arguments set it, so remove "
                              f"optimizer.{key} from the config or make the two equal")
     schedule_defaults = ScheduleConfig()
-    for key in ("lr_schedule", "warmup_steps", "min_lr", "total_steps", "clip_grad_norm", "accum_steps"):
+    owned = ("clip_grad_norm", "accum_steps") if schedule_from_config else \
+        ("lr_schedule", "warmup_steps", "min_lr", "total_steps", "clip_grad_norm", "accum_steps")
+    for key in owned:
         if getattr(config.schedule, key) != getattr(schedule_defaults, key):
             owner = {"clip_grad_norm": "max_grad_norm", "accum_steps": "gradient_accumulation_steps"}.get(
                 key, "lr_scheduler_type, warmup_steps and max_steps")

@@ -57,6 +57,18 @@ It follows the Trainer's DeepSpeed integration, one hook at a time:
   ``state_dict`` save, and never gathers the model whole. Checkpoints and
   ``save_model`` need a directory every rank sees (as infinity checkpoints do).
 
+A model larger than host memory: :func:`from_pretrained` builds a local checkpoint's model
+on the meta device and the trainer materializes it unit by unit straight into the
+config's tiers as it initializes the engine (as ``HfDeepSpeedConfig`` makes
+``from_pretrained`` partition while loading)::
+
+    model = from_pretrained("path/to/llama", "ds_config.json")   # nothing is loaded yet
+    trainer = InfinityTrainer(model=model, args=args, ...)        # loaded here, one unit at a time
+
+A DeepSpeed ``ds_config.json`` is accepted wherever a config is, read as the
+Trainer's DeepSpeed integration reads one (see
+:mod:`infinity.integrations.trainer_options`).
+
 Not supported, each refused with an error naming the option: see
 :mod:`infinity.integrations.trainer_options`. With ``precision.param_dtype:
 fp16`` a step skipped on overflow still advances the Trainer's LR schedule
@@ -65,8 +77,10 @@ fp16`` a step skipped on overflow still advances the Trainer's LR schedule
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,9 +92,11 @@ import infinity
 from infinity.checkpoint import consolidate
 from infinity.config import Config
 from infinity.integrations.trainer_options import (check_accelerator, check_arguments, check_trainer_kwargs,
-                                                   trainer_config)
+                                                   load_trainer_config, trainer_config)
+from infinity.models.pretrained import PretrainedError, SafetensorsWeights, meta_model_from_pretrained
+from infinity.train.schedule import build_lr_scheduler
 
-__all__ = ["InfinityTrainer", "InfinityTrainingArguments", "SHARDED_DIR"]
+__all__ = ["InfinityTrainer", "InfinityTrainingArguments", "from_pretrained", "SHARDED_DIR"]
 
 SHARDED_DIR = "infinity"                  # inside checkpoint-N/: the sharded checkpoint that resumes
 _SAVE_MODEL_TMP = ".infinity-save_model"  # inside save_model's directory while it is consolidated
@@ -88,7 +104,42 @@ _SCHEDULER_NAME = "scheduler.pt"          # the Trainer's file names (transforme
 _TRAINING_ARGS_NAME = "training_args.bin"
 # Trainer hooks overridden here; a transformers without them would train without clipping, silently
 _OVERRIDDEN = ("_wrap_model", "_clip_grad_norm", "_get_grad_norm", "_save_optimizer_and_scheduler",
-               "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model", "save_model")
+               "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_best_model", "save_model",
+               "_move_model_to_device", "create_scheduler")
+
+
+@dataclass(frozen=True)
+class _PendingLoad:
+    """A :func:`from_pretrained` model's weights, waiting for the trainer that initializes it."""
+
+    weights: SafetensorsWeights
+    config: object   # the infinity_config given to from_pretrained, or None
+
+
+# model -> its pending load; weak, so a model dropped before any trainer took it takes its entry along
+_PENDING: "weakref.WeakKeyDictionary[torch.nn.Module, _PendingLoad]" = weakref.WeakKeyDictionary()
+
+
+def from_pretrained(path, infinity_config=None, **config_overrides) -> torch.nn.Module:
+    """A local ``transformers`` causal-LM checkpoint (``config.json`` and safetensors) as a model for
+    :class:`InfinityTrainer`, loaded unit by unit into infinity's tiers when the trainer is built.
+
+    Returns ``AutoModelForCausalLM.from_config`` of the checkpoint's config on the meta device (no weights
+    in memory; ``config_overrides`` change that config). Every parameter is checked now to have a tensor
+    of its shape in the files. ``InfinityTrainer(model=...)`` then initializes the engine with
+    ``init_fn`` reading each unit's tensors from the memory-mapped files straight into its shards' home
+    tiers: peak host memory is one unit's buffer plus the config's budgets, whatever the model's size.
+    ``infinity_config`` (path, dict, Config or DeepSpeed config) is checked now and is the trainer's config
+    unless the trainer is given one (``infinity_config=`` or ``InfinityTrainingArguments.infinity_config``).
+    For a loop of your own, :func:`infinity.models.pretrained.initialize_pretrained` does the same with
+    ``infinity.initialize``; passing this model to ``infinity.initialize`` without its ``init_fn`` would
+    initialize it randomly.
+    """
+    if infinity_config is not None:
+        Config.load(infinity_config)   # a bad config fails here, before the trainer is built
+    model = meta_model_from_pretrained(path, **config_overrides)
+    _PENDING[model] = _PendingLoad(SafetensorsWeights(path, model), infinity_config)
+    return model
 
 
 @dataclass
@@ -96,7 +147,8 @@ class InfinityTrainingArguments(TrainingArguments):
     """``TrainingArguments`` plus the infinity config (``--infinity_config FILE`` on the command line)."""
 
     infinity_config: str | None = field(default=None, metadata={
-        "help": "infinity config file (YAML or JSON): ZeRO stage, offload, tiers, precision; see infinity.Config"})
+        "help": "infinity config file (YAML or JSON): ZeRO stage, offload, tiers, precision; see infinity.Config. "
+                "A DeepSpeed ds_config.json is read as the Trainer's DeepSpeed integration reads one"})
 
     @property
     def place_model_on_device(self) -> bool:
@@ -120,15 +172,28 @@ class InfinityTrainer(Trainer):
             raise ValueError("InfinityTrainer: pass model= (the module infinity shards)")
         if args is None:
             args = InfinityTrainingArguments(output_dir="tmp_trainer")
-        source = infinity_config if infinity_config is not None else getattr(args, "infinity_config", None)
+        pending = _PENDING.get(model)
+        source = next((c for c in (infinity_config, getattr(args, "infinity_config", None),
+                                   pending.config if pending is not None else None) if c is not None), None)
         if source is None:
             raise ValueError("InfinityTrainer: no infinity config; pass infinity_config= or "
                              "InfinityTrainingArguments(infinity_config=PATH)")
-        config = trainer_config(Config.load(source), args)
+        setup = load_trainer_config(source, args)
+        args = setup.args   # a DeepSpeed config took over its precision and checkpointing flags
+        config = trainer_config(setup.config, args, schedule_from_config=setup.schedule_from_config)
         check_arguments(args, config)
         super().__init__(model=model, args=args, **kwargs)
         check_accelerator(self)
-        model, optimizer = infinity.initialize(model, config, params=self._param_groups(model))
+        self._setup = dataclasses.replace(setup, config=config)
+        init_fn = pending.weights if pending is not None else None
+        model, optimizer = infinity.initialize(model, config, params=self._param_groups(model), init_fn=init_fn)
+        if pending is not None:
+            del _PENDING[model]
+            left = pending.weights.missing(model)
+            if left:
+                infinity.engine_of(model).close()
+                raise PretrainedError(f"{pending.weights.directory}: parameter {left[0]!r} was never filled "
+                                      "(initialize did not pass its module to init_fn)")
         self.infinity_optimizer = optimizer   # ZeroAdamW; self.optimizer is accelerate's wrapper of it
         self.model = self.model_wrapped = self.accelerator.prepare_model(model, device_placement=False,
                                                                          evaluation_mode=True)
@@ -151,6 +216,29 @@ class InfinityTrainer(Trainer):
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return model   # never DDP / DataParallel: the engine reduces the gradients itself
+
+    def _move_model_to_device(self, model, device) -> None:
+        # infinity.initialize places the model, each unit's shard made on the device: a model bigger than the
+        # device, or one still on meta (from_pretrained), is never moved whole
+        return None
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler (``lr_scheduler_type``), or where a DeepSpeed config has a ``scheduler``,
+        infinity's schedule of it, as the Trainer's DeepSpeed integration uses DeepSpeed's."""
+        if not self._setup.schedule_from_config:
+            return super().create_scheduler(num_training_steps, optimizer)
+        if self.lr_scheduler is None:
+            schedule = self._setup.config.schedule
+            if schedule.total_steps not in ("auto", num_training_steps):
+                raise ValueError(f"InfinityTrainer: DeepSpeed scheduler.params.total_num_steps={schedule.total_steps} "
+                                 f"disagrees with the run's {num_training_steps} steps; set it to \"auto\"")
+            warmup = self.args.get_warmup_steps(num_training_steps) if self._setup.auto_warmup else \
+                schedule.warmup_steps
+            schedule = dataclasses.replace(schedule, warmup_steps=warmup, total_steps=num_training_steps)
+            self.lr_scheduler = build_lr_scheduler(optimizer if optimizer is not None else self.optimizer, schedule,
+                                                   num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _clip_grad_norm(self, model):
         return self.infinity_optimizer.clip_grad_norm_(self.args.max_grad_norm)
