@@ -2,10 +2,15 @@
 """Train a causal language model with the Hugging Face ``Trainer``, the way transformers'
 ``examples/pytorch/language-modeling/run_clm.py`` does, on infinity.
 
-A stock Trainer script changes in three lines, marked ``# [infinity]`` below: the
+A stock Trainer script changes in four lines, marked ``# [infinity]`` below: the
 import, the arguments dataclass (``InfinityTrainingArguments`` adds
-``--infinity_config``, as ``--deepspeed`` takes a DeepSpeed config) and the trainer
-class. Everything else
+``--infinity_config``, as ``--deepspeed`` takes a DeepSpeed config), the
+pretrained model's loading (infinity's ``from_pretrained`` loads it unit by unit
+into the config's tiers as the trainer is built, as ZeRO-3's ``HfDeepSpeedConfig``
+makes ``from_pretrained`` partition while loading) and the trainer class.
+``--infinity_config`` takes an infinity YAML/JSON config or a DeepSpeed user's own
+``ds_config.json`` unchanged: its ``"auto"`` values are filled from these arguments
+as under ``--deepspeed``. Everything else
 (``HfArgumentParser``, ``get_last_checkpoint``, ``train(resume_from_checkpoint=...)``,
 ``evaluate``, ``save_model``, ``save_state``) is the stock script's.
 
@@ -15,6 +20,9 @@ class. Everything else
         --max_steps 20 --per_device_train_batch_size 4 --learning_rate 1e-3 --save_steps 10 --eval_steps 10 \\
         --eval_strategy steps --use_cpu --report_to none
     # two ranks: the same command under `torchrun --nproc_per_node 2` (or `accelerate launch`)
+    # a DeepSpeed user's command line, --deepspeed ds_config.json becoming --infinity_config ds_config.json
+    python examples/run_clm_infinity.py --model_name_or_path ./gpt2-local --train_file notes.txt \
+        --infinity_config examples/ds_config_zero3_nvme.json --output_dir clm-ft --max_steps 20 --bf16
 
 ``--model_name_or_path DIR`` fine-tunes a local model directory instead (nothing is
 downloaded); with no tokenizer (``--tokenizer_name`` or one in DIR) the text is read
@@ -34,7 +42,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer, Hf
 from transformers.trainer_utils import get_last_checkpoint
 
 # [infinity] was: from transformers import Trainer, TrainingArguments
-from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments
+from infinity.integrations.transformers import InfinityTrainer, InfinityTrainingArguments, from_pretrained
 
 
 @dataclass
@@ -88,7 +96,7 @@ def main():
     eval_dataset = Blocks(ids[len(ids) - held_out:], data_args.block_size) if held_out else None
 
     if model_args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+        model = from_pretrained(model_args.model_name_or_path)  # [infinity] was: AutoModelForCausalLM.from_pretrained(
     else:
         config = CONFIG_MAPPING[model_args.model_type]()
         if model_args.config_overrides:

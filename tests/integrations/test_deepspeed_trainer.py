@@ -99,3 +99,61 @@ def test_from_pretrained_checks_the_files_before_any_trainer(tmp_path):
     with pytest.raises(PretrainedError, match="transformer.h.0.mlp.c_fc.weight' has shape"):
         from_pretrained(directory, {"zero_optimization": {"stage": 3}})
     assert hc.VOCAB == 64
+
+
+def _run_example(script: str, args: list, cwd, timeout_s: int = 300) -> None:
+    """``python examples/<script> ARGS`` in ``cwd``, in its own session (killed whole on a timeout)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(repo / "examples" / script), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        raise AssertionError(f"{script} did not finish within {timeout_s} s: {err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
+
+
+_EXAMPLE_ARGS = ["--max_steps", "3", "--per_device_train_batch_size", "2", "--logging_steps", "1",
+                 "--learning_rate", "1e-3", "--use_cpu", "--report_to", "none", "--disable_tqdm", "true"]
+
+
+@pytest.mark.parametrize("script", ["finetune_llama_infinity.py", "run_clm_infinity.py"])
+def test_the_examples_fine_tune_a_local_checkpoint_with_the_deepspeed_users_config(tmp_path, script):
+    """Each example, given ``--infinity_config examples/ds_config_zero3_nvme.json`` unchanged (its swap directory
+    ``./infinity_swap`` is the run's working directory's), fine-tunes a tiny local checkpoint (a Llama for the
+    Llama example, a GPT-2 for run_clm) loaded through ``from_pretrained``: every step logged, and the output
+    directory loads with ``AutoModelForCausalLM.from_pretrained``."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    repo = Path(__file__).resolve().parents[2]
+    checkpoint = tmp_path / "model"
+    if script.startswith("finetune_llama"):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                         ).save_pretrained(checkpoint)
+    else:
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        GPT2LMHeadModel(GPT2Config(vocab_size=256, n_layer=2, n_embd=32, n_head=2, n_positions=64)
+                        ).save_pretrained(checkpoint)
+    out = tmp_path / "out"
+    _run_example(script, ["--model_name_or_path", str(checkpoint), "--train_file", str(repo / "README.md"),
+                          "--block_size", "32", "--output_dir", str(out), "--infinity_config",
+                          str(repo / "examples" / "ds_config_zero3_nvme.json"), *_EXAMPLE_ARGS], cwd=tmp_path)
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3]
+    assert not (tmp_path / "infinity_swap").exists() or not any((tmp_path / "infinity_swap").iterdir())
+    AutoModelForCausalLM.from_pretrained(out)
