@@ -623,3 +623,7 @@ def mapping_table() -> str:
             target = ", ".join(f"`{name}`" for name in target.split(", "))
         rows.append(f"| `{key.path}` | {fate} | {target} | {key.note} |")
     return "\n".join(rows)
+
+
+if __name__ == "__main__":   # python -m infinity.deepspeed_config: the table for the README's migration section
+    print(mapping_table())

@@ -220,3 +220,19 @@ def test_infinity_plan_plans_from_a_deepspeed_config(tmp_path, capsys):
     chosen = Config.from_dict(json.loads(capsys.readouterr().out)["config"])
     assert (chosen.optimizer.lr, chosen.optimizer.betas, chosen.optimizer.weight_decay) == (2e-4, (0.9, 0.98), 0.05)
     assert chosen.schedule.clip_grad_norm == 0.7 and chosen.precision.param_dtype == "fp32"
+
+
+def test_the_readme_table_is_the_mapping():
+    """The README's key table is :func:`mapping_table` of the mapping itself, so the two cannot drift
+    (regenerate it with ``python -m infinity.deepspeed_config``)."""
+    from pathlib import Path
+
+    from infinity.deepspeed_config import mapping_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start, end = "<!-- deepspeed-keys:start -->\n", "\n<!-- deepspeed-keys:end -->"
+    assert start in readme and end in readme
+    assert readme.split(start, 1)[1].split(end, 1)[0] == mapping_table()
+    rows = mapping_table().splitlines()[2:]
+    assert all(f"`{path}`" in table_row for path, table_row in zip(
+        [k for k, v in KEYS.items() if v.fate != "section" or v.note], rows))
