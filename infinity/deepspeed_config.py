@@ -617,7 +617,8 @@ def mapping_table() -> str:
             continue
         fate = "section" if key.fate == SECTION else key.fate
         if key.fate == REFUSED:
-            fate += " unless " + " / ".join(json.dumps(v) for v in key.accepted)
+            shown = [v for i, v in enumerate(key.accepted) if v not in key.accepted[:i]]   # 1 and 1.0 once
+            fate += " unless " + " / ".join(json.dumps(v) for v in shown)
         target = key.infinity
         if target and not target.startswith("("):
             target = ", ".join(f"`{name}`" for name in target.split(", "))
