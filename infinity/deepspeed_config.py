@@ -7,7 +7,7 @@
 ``type``/``params``, ...) and read it here. This module only builds a ``Config``.
 
 Every key DeepSpeed documents for ZeRO-Infinity has one of three fates, listed in
-:data:`KEYS` (the README's migration table is rendered from it, :func:`mapping_table`):
+:data:`KEYS` (the migration table of docs/migrating-from-deepspeed.md is rendered from it, :func:`mapping_table`):
 
 - **maps**: it becomes the infinity key that means the same (``offload_param.device: nvme``
   is ``offload.params: nvme``). A key left out keeps DeepSpeed's default inside a section
@@ -610,7 +610,7 @@ def _show(value) -> str:
 
 
 def mapping_table() -> str:
-    """The README's migration table (markdown), one row per DeepSpeed key of :data:`KEYS`."""
+    """The migration table of docs/migrating-from-deepspeed.md (markdown), one row per DeepSpeed key of :data:`KEYS`."""
     rows = ["| DeepSpeed key | fate | infinity | how, or why not |", "|---|---|---|---|"]
     for key in KEYS.values():
         if key.fate == SECTION and not key.note:
@@ -626,5 +626,5 @@ def mapping_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":   # python -m infinity.deepspeed_config: the table for the README's migration section
+if __name__ == "__main__":   # python -m infinity.deepspeed_config: the table for docs/migrating-from-deepspeed.md
     print(mapping_table())

@@ -223,13 +223,13 @@ def test_infinity_plan_plans_from_a_deepspeed_config(tmp_path, capsys):
 
 
 def test_the_readme_table_is_the_mapping():
-    """The README's key table is :func:`mapping_table` of the mapping itself, so the two cannot drift
-    (regenerate it with ``python -m infinity.deepspeed_config``)."""
+    """The migration page's key table (docs/migrating-from-deepspeed.md) is :func:`mapping_table` of the
+    mapping itself, so the two cannot drift (regenerate it with ``python -m infinity.deepspeed_config``)."""
     from pathlib import Path
 
     from infinity.deepspeed_config import mapping_table
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "migrating-from-deepspeed.md").read_text()
     start, end = "<!-- deepspeed-keys:start -->\n", "\n<!-- deepspeed-keys:end -->"
     assert start in readme and end in readme
     assert readme.split(start, 1)[1].split(end, 1)[0] == mapping_table()

@@ -1,4 +1,4 @@
-"""Lower layers never import higher ones: the order is the README's Layout section."""
+"""Lower layers never import higher ones: the order is docs/architecture.md's Layout and layers section."""
 
 from __future__ import annotations
 
