@@ -155,7 +155,7 @@ def _print_formats(rows: list, num_params: int, devices: int) -> None:
                                                                           "optimizer_read", "optimizer_write")),
                       _size(-(-num_params // devices) * r["nvme"])))
     _print_table(table)
-    print("remainder: exact (bitwise the fp32 master's training); bf16 and int8 moments: lossy (README: "
+    print("remainder: exact (bitwise the fp32 master's training); bf16 and int8 moments: lossy (docs/benchmarks.md: "
           "convergence); int8 is 65/64 B a moment: a block of 256 codes and its fp32 scale")
 
 
@@ -471,7 +471,7 @@ def _add_train(sub) -> None:
                     "130 or 143). "
                     "Flags marked 'resumable' default to the checkpoint's value under --resume.")
     p.add_argument("--config", metavar="FILE", help="YAML/JSON config (default: the built-in ZeRO-3 NVMe config); "
-                   "a DeepSpeed ds_config.json is read as one (README: Migrating from DeepSpeed); "
+                   "a DeepSpeed ds_config.json is read as one (docs/migrating-from-deepspeed.md); "
                    "auto (or a file with offload: auto, e.g. configs/auto.yaml): the planner picks it (infinity plan)")
     p.add_argument("--print-config", action="store_true",
                    help="print the config the run would use (YAML; with --json, JSON), flags applied, and exit")

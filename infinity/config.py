@@ -296,8 +296,8 @@ class OptimizerConfig:
         "fp32", _choice(*MOMENT_FORMATS), "stored format of Adam's two moments; the update math stays fp32 (each "
         "chunk widened, updated and rounded back to nearest while in cache). bf16: 2 instead of 4 B/element each, "
         "stored and moved. int8: 8-bit codes in blocks of 256 with one fp32 scale each (an fp8 e4m3 code per "
-        "element; the second moment coded as its square root), 65/64 B/element each. Both lossy (see the README's "
-        "convergence figures)")
+        "element; the second moment coded as its square root), 65/64 B/element each. Both lossy (see "
+        "docs/benchmarks.md's convergence figures)")
 
 
 @dataclass(frozen=True)
@@ -391,7 +391,7 @@ class ZeroPPConfig:
     """ZeRO++ (Wang et al. 2023): three independent ways to cut stage 3's cross-node traffic.
 
     Each trades exactness or memory for fewer bytes on the slow links between
-    nodes (see :mod:`infinity.comm.zeropp` and the README's stage guide). The
+    nodes (see :mod:`infinity.comm.zeropp` and docs/parallelism.md). The
     node layout (``ranks_per_node``) also splits the byte counters into
     intra-node and cross-node bytes, whether or not a technique is on.
     """

@@ -40,12 +40,22 @@ from infinity.plan.rates import PlanInputError, Rates, load_profile, measure_com
 from infinity.store.host_malloc import release_free_heap
 
 __all__ = ["AUTO", "wants_auto", "read_auto", "rates_for", "run_plan", "plan_request", "plan_for_module",
-           "PLAN_KEYS"]
+           "PLAN_KEYS", "PLAN_KEY_DOCS"]
 
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-PLAN_KEYS = ("profile", "host_bytes", "device_bytes", "tokens")
+# the `plan:` section of an `offload: auto` config: what the planner is granted and measures from
+PLAN_KEY_DOCS = {
+    "profile": ("null", "an `infinity profile` JSON (or its directory) to plan from; null = a quick profile "
+                        "measured at start-up in the swap directory's parent"),
+    "host_bytes": ("auto", "host memory granted per rank; auto = the tiers' auto (tiers.host_bytes)"),
+    "device_bytes": ("auto", "device memory granted per rank (on a CPU the device tier is RAM too); auto = the "
+                             "tiers' auto (tiers.device_bytes)"),
+    "tokens": ("null", "tokens per rank per micro-batch the plan is priced at; null = the caller's micro-batch "
+                       "(initialize: up to 256 tokens of the model's context)"),
+}
+PLAN_KEYS = tuple(PLAN_KEY_DOCS)
 
 
 def _raw(config) -> dict | None:
