@@ -671,6 +671,37 @@ def _run_sample(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- report
+
+def _add_report(sub) -> None:
+    p = sub.add_parser(
+        "report", help="what this machine and install can do (as DeepSpeed's ds_report)",
+        description="torch, Python, CUDA and device capabilities, the compute dtype precision auto would pick "
+                    "and why, whether the native libraries build here, and with --dir a swap directory's file "
+                    "system, O_DIRECT, free space and a short read/write figure.")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="also probe this swap directory (writes and reads one file there, then removes it)")
+    p.add_argument("--bytes", default="256MiB", metavar="SIZE",
+                   help="bytes the --dir probe writes and reads (default 256MiB; 0 = no read/write figure)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_report)
+
+
+def _run_report(args) -> int:
+    from infinity.config import parse_size
+    from infinity.report import build_report, report_lines
+
+    size = parse_size(args.bytes, "--bytes")
+    if args.dir is not None and not Path(args.dir).is_dir():
+        raise UsageError(f"--dir {args.dir}: not a directory")
+    report = build_report(args.dir, size)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print("\n".join(report_lines(report)))
+    return 0
+
+
 # ---------------------------------------------------------------- program
 
 def _parser() -> argparse.ArgumentParser:
@@ -682,6 +713,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_consolidate(sub)
     _add_sample(sub)
+    _add_report(sub)
     # --debug after the sub-command too; SUPPRESS keeps the main parser's value when it is not repeated
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     for p in sub.choices.values():

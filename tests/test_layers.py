@@ -14,7 +14,8 @@ LEAVES = {"models", "data"}   # the demo model and corpus: usable from anywhere,
 IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)
 
 
-SAME_LAYER = {"deepspeed_config": "config"}   # the DeepSpeed reader sits beside config.py and builds a Config
+SAME_LAYER = {"deepspeed_config": "config",   # the DeepSpeed reader sits beside config.py and builds a Config
+              "report": "profile"}          # infinity report reuses the profile's probes
 
 
 def _layer(dotted: str) -> str:

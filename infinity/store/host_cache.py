@@ -35,7 +35,7 @@ import torch
 from infinity.native_build import LazyLibrary, load_library
 from infinity.store.host_malloc import mmap_threshold
 
-__all__ = ["configure", "trim", "stats", "take_peak_bytes", "cache_bytes", "cap_of", "AUTO_CACHE_BYTES"]
+__all__ = ["configure", "library_reason", "trim", "stats", "take_peak_bytes", "cache_bytes", "cap_of", "AUTO_CACHE_BYTES"]
 
 _SOURCE = Path(__file__).with_name("host_cache.cpp")
 # tiers.host_cache_bytes: auto, with anything offloaded: about two layers' temporaries at 2.7B width
@@ -65,6 +65,12 @@ def _load():
 
 
 _LIBRARY = LazyLibrary(_load)
+
+
+def library_reason() -> str | None:
+    """None when the cache's library loads here (built at first ask, then cached), else why not:
+    what ``infinity report`` says about the C++ compiler."""
+    return None if _LIBRARY.get() is not None else _LIBRARY.reason
 
 
 def configure(min_bytes: int, cap_bytes: int) -> str | None:
