@@ -413,8 +413,9 @@ class ZeroPPConfig:
     block_numel: int = _f(256, _multiple_of(8, 8, 2**20), "values sharing one fp32 scale (qwZ and qgZ), a "
                           "multiple of 8: smaller = less rounding error, more scale bytes (4 / block_numel a value)")
     ranks_per_node: Any = _f("auto", _int_or_auto(1), "ranks on one node, consecutive ranks sharing a node: "
-                             "the hpZ/qgZ groups and the intra/cross-node byte split; auto = LOCAL_WORLD_SIZE "
-                             "(torchrun), else every rank on one node")
+                             "the hpZ/qgZ groups and the intra/cross-node byte split; auto = the ranks the launcher put on "
+                             "one node (torchrun's GROUP_RANK, SLURM_NODEID, else the host name); a number must "
+                             "divide that (smaller: one node stands in for several)")
 
     @property
     def enabled(self) -> bool:

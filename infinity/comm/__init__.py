@@ -6,6 +6,8 @@
 - :mod:`~infinity.comm.watchdog`: names the collective a rank is stuck in and the ranks it
   waits for; turns the process group's timeout into one :class:`CollectiveTimeout` line.
 - :mod:`~infinity.comm.quantize`: block-wise int8 / int4 quantization of a flat tensor.
+- :mod:`~infinity.comm.node_layout`: which ranks share a node, as the launcher placed them
+  (torchrun's ``GROUP_RANK``, SLURM's node id, else the host name).
 - :mod:`~infinity.comm.zeropp`: ZeRO++ (qwZ quantized weight gathers, hpZ node-local
   secondary shards, qgZ quantized hierarchical gradient reduction), supplying gather
   and reduce callables with the plain collectives' signatures.

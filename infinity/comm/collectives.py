@@ -10,8 +10,9 @@ for an all-gather or a reduce-scatter, twice that for an all-reduce).
 process group needed, every collective is a copy (or nothing), and the same
 logical volume is counted so the theory checks read the same at every size.
 
-With a node layout (:meth:`Collectives.set_ranks_per_node`; consecutive
-ranks share a node) the bytes this rank sends are also split into
+With a node layout (:meth:`Collectives.set_nodes`, from where the launcher
+put each rank, or :meth:`Collectives.set_ranks_per_node`: consecutive ranks
+share a node) the bytes this rank sends are also split into
 ``intra_node_bytes`` and ``cross_node_bytes``, counted pairwise: what the
 collective delivers from this rank to each other member of its group, booked
 by whether that member is on this rank's node. An all-gather delivers this
@@ -190,15 +191,23 @@ class Collectives:
 
     def set_ranks_per_node(self, ranks_per_node: int) -> None:
         """Consecutive global ranks share a node, ``ranks_per_node`` of them; sets the byte split."""
-        self.ranks_per_node = ranks_per_node
-        node = self.global_rank // ranks_per_node
+        self.set_nodes({m: m // ranks_per_node for m in self.members}, ranks_per_node)
+
+    def set_nodes(self, node_of: dict, ranks_per_node: int | None) -> None:
+        """``node_of``: each member's node (by global rank), as the launcher placed them
+        (:mod:`infinity.comm.node_layout`); ``ranks_per_node``: its size where every node holds the same
+        number of consecutive ranks, else None. Sets the byte split."""
+        self.node_of, self.ranks_per_node = dict(node_of), ranks_per_node
+        node = self.node_of[self.global_rank]
         others = [m for m in self.members if m != self.global_rank]
-        intra = sum(1 for m in others if m // ranks_per_node == node)
+        intra = sum(1 for m in others if self.node_of[m] == node)
         self._peers = (intra, len(others) - intra)
 
     def subgroup(self, group) -> "Collectives":
         """The same collectives over ``group`` (this rank a member), booking into the same counters."""
-        return Collectives(group, self.counters, self.ranks_per_node)
+        sub = Collectives(group, self.counters)
+        sub.set_nodes({m: self.node_of[m] for m in sub.members}, self.ranks_per_node)
+        return sub
 
     def _ring(self, times: int = 1) -> float:
         return times * (self.world_size - 1) / self.world_size
@@ -311,6 +320,9 @@ class LocalCollectives:
 
     def set_ranks_per_node(self, ranks_per_node: int) -> None:
         pass   # one rank: nothing to split
+
+    def set_nodes(self, node_of: dict, ranks_per_node: int | None) -> None:
+        pass
 
     def subgroup(self, group) -> "LocalCollectives":
         return self

@@ -46,6 +46,7 @@ rank 0, which may be the stuck one) the line says the ranks are unknown.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 __all__ = ["CollectiveTimeout", "PeerFailed", "install", "uninstall", "watch", "installed",
-           "failures_told_to_peers"]
+           "failures_told_to_peers", "set_peer_names"]
 
 _KEY = "infinity/collective_wait/{rank}"
 _FAILED_KEY = "infinity/failed/{rank}"
@@ -182,6 +183,24 @@ class _Watchdog:
 
 
 _WATCHDOG: _Watchdog | None = None
+# a peer's network address -> its node and ranks (infinity.comm.node_layout): names the peer a socket error
+# gives only as an address
+_PEER_NAMES: dict = {}
+
+
+def set_peer_names(names: dict) -> None:
+    """``{address: "torchrun node 1: ranks 2, 3"}``, for naming a rank whose connection closed."""
+    _PEER_NAMES.update(names)
+
+
+def _peer_named(text: str) -> str:
+    """The peer gloo's error names (``[10.77.0.2]:41235``), with its node and ranks when known."""
+    m = re.search(r"\[([0-9A-Fa-f:.]+)\]:(\d+)", text)
+    if m is None:
+        return "a rank"
+    addr = m.group(1)
+    known = _PEER_NAMES.get(addr)
+    return f"the rank at {addr}:{m.group(2)}" + (f" ({known})" if known else "")
 
 
 def install(rank: int, world_size: int, timeout_s: float, warn_after_s: float, store=None, log=None,
@@ -231,9 +250,9 @@ def watch(what: str) -> Iterator[None]:
         if told is not None:
             raise PeerFailed(f"{told} (this rank, {dog.rank}, was waiting for it in {what})") from e
         if _is_peer_gone(e):
-            raise PeerFailed(f"a rank exited while this one ({dog.rank}) waited for it in {what} (collective "
-                             f"#{wait.seq}): it was killed or died without a word (the OOM killer?); the launcher "
-                             "or that rank's own log says which") from e
+            raise PeerFailed(f"{_peer_named(str(e))} exited while this one ({dog.rank}) waited for it in {what} "
+                             f"(collective #{wait.seq}): it was killed or died without a word (the OOM killer, "
+                             "a lost node?); the launcher or that rank's own log says which") from e
         if not _is_timeout(e):
             raise
         waited = time.monotonic() - wait.since

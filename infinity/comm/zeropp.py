@@ -39,43 +39,77 @@ collective would spread it.
 
 The groups come from a 2-D :class:`torch.distributed.device_mesh.DeviceMesh`
 ``(node, local)`` = (world / ranks_per_node, ranks_per_node); consecutive
-ranks share a node, as launchers number them. On one machine 4 ranks with
-``ranks_per_node: 2`` run as 2 "nodes" x 2, and the byte counters say which
-bytes would have crossed a node (:mod:`infinity.comm.collectives`).
+ranks share a node, as torchrun numbers them. Where each rank really is comes
+from the launcher (:mod:`infinity.comm.node_layout`: torchrun's
+``GROUP_RANK``, SLURM's node id, else the host name): ``ranks_per_node: auto``
+is a node's rank count there, and a number that would make a group span two
+nodes is refused. On one machine 4 ranks with ``ranks_per_node: 2`` run as 2
+"nodes" x 2, and the byte counters say which bytes would have crossed a node
+(:mod:`infinity.comm.collectives`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
 from infinity.config import ConfigError, ZeroPPConfig
+from infinity.comm import watchdog
+from infinity.comm.node_layout import NodeLayout, gather_node_layout
 from infinity.comm.quantize import BlockQuantizer
 from infinity.comm.unit_collectives import UnitCollectives
 
 __all__ = ["ZeroPlusPlus", "resolve_ranks_per_node", "set_node_layout"]
 
 
-def resolve_ranks_per_node(value, world_size: int) -> int:
-    """``zeropp.ranks_per_node`` for this world: auto = LOCAL_WORLD_SIZE if it divides the world, else all."""
+def resolve_ranks_per_node(value, world_size: int, layout: NodeLayout | None = None) -> int:
+    """``zeropp.ranks_per_node`` for this world, checked against where the launcher put the ranks.
+
+    ``layout``: every rank's node (:func:`~infinity.comm.node_layout.gather_node_layout`); None at world
+    size 1. auto = the ranks a node holds there. A number must divide them: ranks of one group then always
+    share a node, and a smaller number splits a node into several (one machine standing in for several
+    nodes). A group that would span two nodes, or nodes that do not hold equal runs of consecutive ranks
+    (what ZeRO++'s ``(node, local)`` mesh needs), is refused naming the layout.
+    """
+    if world_size == 1 or layout is None:
+        return 1 if world_size == 1 else (world_size if value == "auto" else value)
+    real = layout.ranks_per_node
+    if real is None:
+        raise ConfigError(f"zeropp: the launcher did not give every node the same number of consecutive ranks "
+                          f"({layout.describe()}); ZeRO++'s node groups need equal blocks of consecutive ranks "
+                          "(torchrun with the same --nproc-per-node on every node)")
     if value == "auto":
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        return local if local > 0 and world_size % local == 0 else world_size
-    if world_size == 1:
-        return 1
+        return real
     if world_size % value:
         raise ConfigError(f"zeropp.ranks_per_node: {value} does not divide the world size {world_size}; "
                           "every node must hold the same number of ranks")
+    if real % value:
+        raise ConfigError(f"zeropp.ranks_per_node: {value}, but the launcher put {real} ranks on each node "
+                          f"({layout.describe()}); a group of {value} would span nodes. Use auto, or a divisor "
+                          f"of {real}")
     return value
 
 
 def set_node_layout(cfg: ZeroPPConfig, coll) -> int:
-    """Give ``coll``'s byte counters the node layout (``zeropp.ranks_per_node``), whether or not a ZeRO++
-    switch is on; returns the ranks per node."""
-    ranks_per_node = resolve_ranks_per_node(cfg.ranks_per_node, coll.world_size)
-    coll.set_ranks_per_node(ranks_per_node)
+    """Give ``coll``'s byte counters the node layout, whether or not a ZeRO++ switch is on; returns the ranks
+    per node (``zeropp.ranks_per_node`` resolved against the launcher's layout).
+
+    An explicit number smaller than a real node's rank count counts its blocks as nodes (one machine
+    standing in for several); otherwise the counters follow the real layout, whatever its shape."""
+    if coll.world_size == 1:
+        return 1
+    layout = gather_node_layout(coll)
+    watchdog.set_peer_names(layout.peer_names(coll.members))   # a lost peer is then named by node and ranks
+    node_of = {coll.members[r]: n for r, n in enumerate(layout.node_of)}
+    if layout.ranks_per_node is None and not (cfg.hierarchical_partition or cfg.quantize_grads):
+        coll.set_nodes(node_of, None)   # uneven nodes: counted as they are; no node groups are built
+        return coll.world_size if cfg.ranks_per_node == "auto" else cfg.ranks_per_node
+    ranks_per_node = resolve_ranks_per_node(cfg.ranks_per_node, coll.world_size, layout)
+    if ranks_per_node == layout.ranks_per_node:
+        coll.set_nodes(node_of, ranks_per_node)
+    else:
+        coll.set_ranks_per_node(ranks_per_node)
     return ranks_per_node
 
 

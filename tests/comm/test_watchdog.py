@@ -101,13 +101,22 @@ def test_a_wait_the_backend_never_ends_ends_the_process(tmp_path):
     assert "exiting (the backend did not time out)" in out.stderr
 
 
-def test_a_peer_that_vanished_is_named_as_such(lines):
+def test_a_peer_that_vanished_is_named_as_such(lines, monkeypatch):
+    """By the address gloo's error gives, and by its node and ranks where the node layout knows that address."""
     watchdog.install(0, 2, timeout_s=60, warn_after_s=30, store=DictStore(), log=lines.append)
-    with pytest.raises(watchdog.PeerFailed, match=r"^a rank exited while this one \(0\) waited for it in all_gather "
-                                                  r"over ranks \[0, 1\] \(collective #1\): it was killed or died"):
+    error = ("[gloo/transport/tcp/pair.cc:537] Read error [10.77.0.2]:58798: Connection reset by peer. This is "
+             "typically caused by a remote worker hanging")
+    with pytest.raises(watchdog.PeerFailed, match=r"^the rank at 10\.77\.0\.2:58798 exited while this one \(0\) "
+                                                  r"waited for it in all_gather over ranks \[0, 1\] \(collective #1\): "
+                                                  r"it was killed or died"):
         with watch("all_gather over ranks [0, 1]"):
-            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:58798: Connection reset "
-                               "by peer. This is typically caused by a remote worker hanging")
+            raise RuntimeError(error)
+    monkeypatch.setattr(watchdog, "_PEER_NAMES", {})
+    watchdog.set_peer_names({"10.77.0.2": "torchrun node 1: ranks 2, 3"})
+    with pytest.raises(watchdog.PeerFailed, match=r"^the rank at 10\.77\.0\.2:58798 \(torchrun node 1: ranks 2, 3\) "
+                                                  r"exited while this one \(0\)"):
+        with watch("all_gather over ranks [0, 1]"):
+            raise RuntimeError(error)
 
 
 def test_a_peer_that_published_its_error_is_quoted(lines):
