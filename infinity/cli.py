@@ -420,7 +420,9 @@ def _add_consolidate(sub) -> None:
         description="Write a checkpoint's model state (every state_dict name, buffers included) as safetensors, "
                     "split above --max-shard-bytes with a model.safetensors.index.json, plus config.json for a "
                     "transformers model, streaming in bounded memory (see infinity/checkpoint/consolidate.py).")
-    p.add_argument("checkpoint", metavar="CKPT", help="a step directory, or a checkpoint root (its latest step)")
+    p.add_argument("checkpoint", metavar="CKPT", nargs="+",
+                   help="a step directory, or a checkpoint root (its latest step); for a node-local checkpoint, "
+                        "every node's (the same step)")
     p.add_argument("out", metavar="OUT", help="output directory (made if missing)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="output dtype (default fp32)")
     p.add_argument("--max-shard-bytes", default="2GiB", metavar="SIZE",
@@ -441,7 +443,8 @@ def _run_consolidate(args) -> int:
         if value < least:
             raise UsageError(f"{flag} must be at least {least} bytes, got {value}")
     try:
-        summary = consolidate(args.checkpoint, args.out, args.dtype, max_shard_bytes, buffer_bytes)
+        checkpoint = args.checkpoint[0] if len(args.checkpoint) == 1 else args.checkpoint
+        summary = consolidate(checkpoint, args.out, args.dtype, max_shard_bytes, buffer_bytes)
     except CheckpointError as e:
         raise UsageError(str(e)) from None
     if args.json:
@@ -536,7 +539,12 @@ def _add_train(sub) -> None:
     g.add_argument("--keep-last", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
     g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CKPT",
                    help="continue a run: from CKPT (a step directory or a save directory), or with no value from "
-                        f"--save-dir's latest (else the newest run under ./{DEFAULT_SAVE_ROOT})")
+                        f"--save-dir's latest (else the newest run under ./{DEFAULT_SAVE_ROOT}); 'if-saved': from "
+                        "--save-dir's latest if it has one, else start fresh (the command torchrun --max-restarts "
+                        "runs again after a failure)")
+    g.add_argument("--save-node-local", action="store_true", default=None,
+                   help="the nodes share no file system: each node saves its own ranks' files into its own "
+                        "--save-dir (consolidate or load elsewhere with every node's directory; resumable)")
     g.add_argument("--no-save", action="store_true", help="save no checkpoint")
     p.add_argument("--metrics", metavar="FILE", help="write one JSON line per step (appended to when resuming)")
     p.add_argument("--trace", metavar="FILE", help="write a Perfetto/Chrome trace of one step (every rank)")
@@ -558,7 +566,8 @@ def _run_train(args) -> int:
         corpus_bytes=args.corpus_bytes, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
         eval_every=args.eval_every, eval_batches=args.eval_batches, warmup_steps=args.warmup_steps,
         lr_schedule=args.lr_schedule, min_lr=args.min_lr, clip_grad_norm=args.clip_grad_norm,
-        save=not args.no_save, save_dir=args.save_dir, save_every=args.save_every, keep_last=args.keep_last,
+        save=not args.no_save, save_dir=args.save_dir, save_node_local=args.save_node_local,
+        save_every=args.save_every, keep_last=args.keep_last,
         resume=args.resume, sample_every=args.sample_every, sample_tokens=args.sample_tokens,
         metrics=args.metrics, trace=args.trace, trace_step=args.trace_step, progress=not args.no_progress)
     if args.print_config:

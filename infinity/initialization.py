@@ -165,6 +165,7 @@ def _init_distributed(cfg: Config) -> torch.device:
         if missing:
             raise RuntimeError(f"initialize: WORLD_SIZE={os.environ['WORLD_SIZE']} but {missing[0]} is not set; "
                                "start with torchrun or set RANK, MASTER_ADDR and MASTER_PORT")
+        _warn_shared_rendezvous_store()
         # dist.timeout_s, not torch's 30 minutes: a hung rank fails the job in words, soon.
         # CUDA-only: device_id binds the group to this rank's device: NCCL forms its communicator there
         # at once (a bad setup fails here, not at the first collective) instead of guessing a device
@@ -174,6 +175,18 @@ def _init_distributed(cfg: Config) -> torch.device:
         watchdog.install(dist.get_rank(), dist.get_world_size(), cfg.dist.timeout_s, cfg.dist.warn_after_s,
                          _default_store())
     return device
+
+
+def _warn_shared_rendezvous_store() -> None:
+    """torchrun --max-restarts with its rendezvous store shared with the ranks (its default): the store outlives
+    an attempt, so a restarted attempt's ranks can read the previous attempt's gloo addresses and fail to
+    connect ("Connection refused"), using up the restarts. Said once, before that happens."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("RANK", 0)) == 0:
+        log.warning("infinity: torchrun --max-restarts %d shares its rendezvous store with the ranks, so a restarted "
+                    "attempt can find the previous attempt's addresses there and fail to connect; restart with "
+                    "--rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's environment "
+                    "(a static rendezvous does not restart the other nodes' ranks)", restarts)
 
 
 def _default_store():

@@ -39,7 +39,9 @@ _HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int = 2 * 2**30,
                 buffer_bytes: int = 64 * 2**20) -> dict:
-    """Write ``checkpoint``'s model state to ``out_dir``; returns a summary (files, tensors, bytes)."""
+    """Write ``checkpoint``'s model state to ``out_dir``; returns a summary (files, tensors, bytes).
+
+    ``checkpoint``: a step directory or root, or a list of them (a node-local checkpoint: every node's)."""
     if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"consolidate: dtype must be one of {', '.join(OUTPUT_DTYPES)}, got {dtype!r}")
     if max_shard_bytes < 1 or buffer_bytes < 16:
@@ -56,7 +58,7 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
     # fp32 read piece + its cast fit in buffer_bytes
     piece_numel = max(1, buffer_bytes // (4 + (out_dtype.itemsize if out_dtype != torch.float32 else 0)))
     reader = ShardReader(ckpt, tensors=("master",))  # the moments are neither read nor verified
-    extras = TensorFileReader(ckpt.verify("extras.safetensors", 0), "checkpoint extras (rank 0)") \
+    extras = TensorFileReader(ckpt.verify(*ckpt.extras_source()), "checkpoint extras") \
         if ckpt.manifest["extras"] else None
     total_bytes, open_unit = 0, -1
     try:
@@ -104,7 +106,7 @@ def consolidate(checkpoint, out_dir, dtype: str = "fp32", max_shard_bytes: int =
         with replaced(out / "config.json", "w") as f:
             f.write(json.dumps(cfg, indent=2))
         wrote.append("config.json")
-    return {"checkpoint": str(ckpt.dir), "out": str(out), "dtype": dtype, "files": wrote,
+    return {"checkpoint": ", ".join(map(str, ckpt.dirs)), "out": str(out), "dtype": dtype, "files": wrote,
             "tensors": len(tensors), "bytes": total_bytes, "step": ckpt.manifest["step"]}
 
 
@@ -129,7 +131,7 @@ def _plan_tensors(ckpt: Checkpoint, out_dtype: torch.dtype) -> list:
                 slot_of[name] = (ui, slot)
     extra_specs = {}
     if ckpt.manifest["extras"]:
-        with TensorFileReader(ckpt.verify("extras.safetensors", 0), "checkpoint extras (rank 0)") as f:
+        with TensorFileReader(ckpt.verify(*ckpt.extras_source()), "checkpoint extras") as f:
             extra_specs = {n: (f.entry(n)[0], f.entry(n)[1]) for n in ckpt.manifest["extras"]}
     out = []
     for key in ckpt.manifest["state_dict_keys"]:

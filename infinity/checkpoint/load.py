@@ -41,6 +41,9 @@ __all__ = ["load_checkpoint"]
 def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> dict:
     """Load ``directory`` (a step directory, or a root holding ``latest`` / ``step_*``) into model and optimizer.
 
+    A node-local checkpoint: each rank passes its own node's directory (it reads only the files it needs,
+    which on the same nodes and world size are its own node's), or a list of every node's directory.
+
     Every rank must call it. Returns ``{"path", "step", "saved_world_size", "saved_stage", "client_state"}``.
     RNG states: rank r gets saved rank r's (when the saved world had a rank r).
     """
@@ -67,17 +70,23 @@ def load_checkpoint(directory, model, optimizer, *, load_rng: bool = True) -> di
         with ThreadPoolExecutor(max_workers=engine.config.io.threads) as pool:
             list(pool.map(lambda item: ckpt.verify(item[0], item[1], ckpt.saved_tensors()), needed.items()))
         if ckpt.manifest["extras"]:
-            ckpt.verify("extras.safetensors", 0)
+            ckpt.verify(*ckpt.extras_source())
         if load_rng and rank < ckpt.world_size:
             rng_path = ckpt.verify(f"rank{rank:05d}/state.json", rank)
     except Exception as e:  # every rank must reach the exchange below, or the others wait forever
         error = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-    errors = coll.all_gather_object(error)
+    outcomes = coll.all_gather_object((error, None if error is not None else ckpt.manifest["step"]))
     if error is not None:
         raise CheckpointError(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if failed:
         raise CheckpointError(f"load_checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
+    # node-local directories are found per node: one node's latest may name another step than another's
+    steps = sorted({step for _, step in outcomes})
+    if len(steps) > 1:
+        by_rank = ", ".join(f"rank {r}: step {step}" for r, (_, step) in enumerate(outcomes))
+        raise CheckpointError(f"load_checkpoint: the ranks found different checkpoints ({by_rank}); give every "
+                              "node the same step directory")
 
     engine.prepare_load()   # whatever the step was doing (a backward that raised, a failed update) is dropped
     try:
@@ -166,7 +175,8 @@ def _load_extras(ckpt: Checkpoint, model) -> None:
     if missing:
         raise CheckpointError(f"checkpoint {ckpt.dir}: saved state {missing[0]!r} (a buffer or frozen parameter) "
                               f"is not in {type(model).__name__}'s state_dict")
-    with TensorFileReader(ckpt.path("extras.safetensors", 0), "checkpoint extras (rank 0)") as f, torch.no_grad():
+    rel, rank = ckpt.extras_source()
+    with TensorFileReader(ckpt.path(rel, rank), f"checkpoint extras (rank {rank})") as f, torch.no_grad():
         for n in names:
             dst = sd[n]
             src = f.read(n)

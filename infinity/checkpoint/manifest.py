@@ -12,6 +12,14 @@ A checkpoint is a directory ``step_00000012/``::
     rank00003/index.json        rank 3's files with bytes and CRC-32s (per tensor for tensor files),
                                 written after them
 
+Node-local (``save_checkpoint(..., node_local=True)``: nodes that share no file system) each node's
+directory holds a step directory with the same ``manifest.json`` and ``latest``, its own ranks'
+``rankNNNNN/`` and, in its lowest rank's directory, a copy of the extras
+(``rank00002/extras.safetensors``; the manifest's ``extras_copies`` lists those ranks). A rank that
+resumes on the same nodes reads only its own node's files; loading anywhere else, or consolidating,
+needs every rank's files: the nodes' directories brought together, or all of them passed
+(:class:`Checkpoint` takes a list).
+
 With tensor parallelism (``parallel.tensor = T``) ranks are numbered ``dp * T + tp`` and each
 ``tp`` rank's units hold its slices: the layout is the same on every ``tp`` rank (local shapes),
 and ``tensor_parallel`` in the manifest records ``T`` and each split parameter's ``[dim, parts]``
@@ -124,9 +132,21 @@ class Checkpoint:
     tp_size = 1   # saved tensor-parallel ways (set from the manifest; 1 for checkpoints without TP)
 
     def __init__(self, path):
-        self.dir = resolve_checkpoint_dir(path)
+        """``path``: a step directory or a root (its latest step); or a list of them, one per node of a
+        node-local checkpoint (the same step), each rank's files taken from whichever holds them."""
+        paths = list(path) if isinstance(path, (list, tuple)) else [path]
+        if not paths:
+            raise CheckpointError("checkpoint: no directory given")
+        dirs = [resolve_checkpoint_dir(p) for p in paths]
+        self.dir, self.dirs = dirs[0], dirs
         self._root = os.path.realpath(self.dir)
+        self._rank_root: dict = {}    # rank -> the directory holding its files (node-local: its node's)
+        self.absent_ranks: list = []  # node-local: ranks whose node's directory was not given
         self.manifest = self._read_json("manifest.json", "the manifest", rank=None)
+        for d in dirs[1:]:
+            if (d / "manifest.json").read_bytes() != (self.dir / "manifest.json").read_bytes():
+                raise CheckpointError(f"checkpoint directories {self.dir} and {d} hold different checkpoints (their "
+                                      "manifests differ); pass the same step of one run from every node")
         m = self.manifest
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: not an {FORMAT} manifest")
@@ -155,10 +175,40 @@ class Checkpoint:
         if self.world_size % self.tp_size:
             raise CheckpointError(f"{self.dir / 'manifest.json'}: tensor_parallel size {self.tp_size} does not "
                                   f"divide world size {self.world_size}")
+        self.node_local = bool(m.get("node_local", False))
+        for r, entry in enumerate(m["ranks"]):
+            rel = entry.get("index") if isinstance(entry, dict) else None
+            if not isinstance(rel, str):
+                raise CheckpointError(f"{self.dir / 'manifest.json'}: rank {r}'s entry {entry!r} lacks index/bytes/crc32")
+            found = next((d for d in dirs if self._inside(os.path.realpath(d), rel, r).is_file()), None)
+            if found is not None:
+                self._rank_root[r] = os.path.realpath(found)
+            elif self.node_local:
+                self.absent_ranks.append(r)
+            else:
+                raise CheckpointError(f"checkpoint {self.dir}: rank {r}'s index {rel} is missing (the checkpoint "
+                                      f"was saved at world size {self.world_size}; every rank's files are needed)")
         self.files: dict = {}       # relative path -> (rank, index entry)
         for r, entry in enumerate(m["ranks"]):
-            self._read_index(r, entry)
+            if r in self._rank_root:
+                self._read_index(r, entry)
         self._verified: set = set()   # (path, None) for whole files and headers, (path, tensor) for tensors
+
+    def _absent(self, rank: int, what: str) -> CheckpointError:
+        """A node-local checkpoint's rank whose node's directory was not given."""
+        where = ", ".join(map(str, self.dirs))
+        return CheckpointError(f"checkpoint {where}: {what} of rank {rank} is not here: the checkpoint was saved "
+                               f"node-local (each node wrote its own ranks' files) and rank {rank}'s node's "
+                               "directory was not given; copy the nodes' step directories into one, or pass every "
+                               "node's directory")
+
+    def extras_source(self) -> tuple:
+        """(relative path, rank) of a copy of the extras (buffers, frozen parameters) found here: rank 0's,
+        or (node-local) another node's lowest rank's."""
+        for r in self.manifest.get("extras_copies") or [0]:
+            if r in self._rank_root:
+                return ("extras.safetensors" if r == 0 else f"{rank_dir(r)}/extras.safetensors"), r
+        raise self._absent(0, "the extras (buffers and frozen parameters)")
 
     def _read_index(self, r: int, entry) -> None:
         """Check rank r's index against the manifest, then take its file entries (paths checked)."""
@@ -168,9 +218,6 @@ class Checkpoint:
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{where}: rank {r}'s entry {entry!r} lacks index/bytes/crc32") from None
         path = self.path(rel, rank=r)
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {self.dir}: rank {r}'s index {rel} is missing (the checkpoint "
-                                  f"was saved at world size {self.world_size}; every rank's files are needed)")
         self._check_file(rel, r, meta)
         index = self._read_json(rel, "index", rank=r)
         try:
@@ -184,12 +231,19 @@ class Checkpoint:
     # ------------------------------------------------------------ paths and checks
 
     def path(self, rel: str, rank: int | None = None) -> Path:
-        """``rel`` under the checkpoint; refuses absolute paths and anything resolving outside it."""
+        """``rel`` under the checkpoint (``rank``'s directory); refuses absolute paths and anything resolving
+        outside it."""
+        if rank is not None and rank in self.absent_ranks:
+            raise self._absent(rank, f"file {rel}")
+        return self._inside(self._rank_root.get(rank, self._root), rel, rank)
+
+    def _inside(self, root: str, rel: str, rank: int | None) -> Path:
+        """``rel`` under the real path ``root``; refuses absolute paths and anything resolving outside it."""
         who = f" (rank {rank})" if rank is not None else ""
         if not isinstance(rel, str) or not rel or os.path.isabs(rel):
             raise CheckpointError(f"checkpoint {self.dir}{who}: path {rel!r} is not relative to the checkpoint")
-        full = os.path.realpath(os.path.join(self._root, rel))
-        if not full.startswith(self._root + os.sep):
+        full = os.path.realpath(os.path.join(root, rel))
+        if not full.startswith(root + os.sep):
             raise CheckpointError(f"checkpoint {self.dir}{who}: path {rel!r} leaves the checkpoint directory")
         return Path(full)
 
@@ -248,6 +302,8 @@ class Checkpoint:
                 self._verified.add((rel, t))
 
     def rank_of(self, rel: str, expected_rank: int) -> int:
+        if rel not in self.files and expected_rank in self.absent_ranks:
+            raise self._absent(expected_rank, f"file {rel}")
         if rel not in self.files:
             raise CheckpointError(f"checkpoint {self.dir}: rank {expected_rank}'s file {rel} is missing from its "
                                   f"index (the checkpoint was saved at world size {self.world_size})")

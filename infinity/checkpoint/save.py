@@ -11,6 +11,12 @@ Order (each step's constraint):
 4. rank 0 writes ``manifest.json`` (with each index's checksum), fsyncs, renames the temp directory to
    ``step_N``, fsyncs the parent, replaces ``latest`` (temp + rename), then prunes beyond ``keep_last``;
 5. every rank waits for rank 0's outcome, so no rank returns before the checkpoint exists.
+
+Node-local (``node_local=True``: nodes without a shared file system) the same steps run with each node's
+lowest rank in rank 0's place for its node's directory: it makes the temp directory (finding another
+node's there means the directories are shared, and is refused), writes rank 0's manifest, renames; the
+renames of every node are agreed on before any ``latest`` moves or anything is pruned (a node whose
+rename failed leaves the others to undo theirs).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from infinity.checkpoint.manifest import (FORMAT, FORMAT_VERSION, SCALE_SUFFIX, SHARD_TENSORS, STEP_DIR_RE,
                                           rank_dir, step_dir_name, unit_file, unit_layout, write_json)
 from infinity.checkpoint.tensor_file import DTYPE_CODES, CheckpointError, TensorFileWriter, fsync_dir
+from infinity.comm.node_layout import gather_node_layout
 from infinity.checkpoint.tp_layout import tp_manifest
 from infinity.io.new_files import replaced
 from infinity.optim.split_master import join_bf16_
@@ -49,7 +56,7 @@ def engine_for(model, optimizer):
 
 
 def save_checkpoint(directory, model, optimizer, *, step: int | None = None, keep_last: int | None = None,
-                    client_state: dict | None = None) -> Path:
+                    client_state: dict | None = None, node_local: bool = False) -> Path:
     """Save a sharded checkpoint to ``directory/step_{step:08d}``; returns that path (on every rank).
 
     ``step`` defaults to the number of ``optimizer.step()`` calls (applied +
@@ -58,6 +65,13 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
     rank 0's JSON-serializable dict of the caller's own state (an LR
     scheduler's ``state_dict()``, the data position), returned by
     :func:`load_checkpoint`. Every rank must call it.
+
+    ``directory`` is one directory every rank sees (a shared file system; rank 0's is used), unless
+    ``node_local``: for nodes that share none (DeepSpeed's ``checkpoint.use_node_local_storage``), each
+    node's ranks write their own files into their node's directory (its lowest rank's), where that rank
+    publishes the same manifest (nodes as the launcher placed them: :mod:`infinity.comm.node_layout`). Every
+    node's step directory is renamed into place before any ``latest`` moves on or any old checkpoint is
+    pruned, so a failure anywhere leaves every node's previous checkpoint whole.
     """
     engine = engine_for(model, optimizer)
     coll, rank = engine.world_coll, engine.world_rank   # every rank of the mesh (both axes)
@@ -74,6 +88,11 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
                             f"from a checkpoint): {e}") from None
     root = Path(directory)
     final = root / step_dir_name(step)
+    layout = gather_node_layout(coll) if node_local else None
+    # who makes, publishes and prunes a directory: rank 0, or (node-local) each node's lowest rank
+    publishers = sorted({layout.leader(r) for r in range(coll.world_size)}) if node_local else [0]
+    publisher = rank in publishers
+    where = (lambda r: f"rank {r} ({layout.keys[layout.node_of[r]]})") if node_local else (lambda r: f"rank {r}")
 
     # 1. one temp name for all ranks; rank 0 also refuses to overwrite a published checkpoint
     setup = None
@@ -84,15 +103,30 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
                 if final.exists() else ("ok", f".tmp-{final.name}-{uuid.uuid4().hex[:12]}")
         except OSError as e:
             setup = ("error", f"save_checkpoint: cannot create {root}: {e.strerror or e}")
-    kind, value = coll.all_gather_object(setup)[0]
+    said = coll.all_gather_object((setup, os.path.abspath(root)))
+    kind, value = said[0][0]
     if kind == "error":
         raise CheckpointError(value)
+    # the directory is rank 0's (node-local: the node's lowest rank's); a rank's own choice may differ, e.g.
+    # a default run directory named after its own pid
+    chosen = said[layout.leader(rank) if node_local else 0][1]
+    if chosen != os.path.abspath(root):
+        root = Path(chosen)
+        final = root / step_dir_name(step)
     tmp = root / value
+    if node_local:   # each node's publisher checks and makes its own node's directory
+        problem = _make_node_dir(root, final, tmp) if publisher else None
+        problems = [(r, p) for r, p in enumerate(coll.all_gather_object(problem)) if p is not None]
+        if problems:
+            if publisher and problem is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            r, p = problems[0]
+            raise CheckpointError(f"save_checkpoint: {where(r)}: {p}")
 
     # 2. this rank's files
     error, index_entry = None, None
     try:
-        index_entry = _write_rank_files(tmp, engine, model, rank)
+        index_entry = _write_rank_files(tmp, engine, model, rank, extras_copy=node_local and publisher and rank != 0)
     except Exception as e:  # any failure must reach the exchange below, or the other ranks wait forever
         error = _describe(e, f"writing under {tmp}")
 
@@ -100,39 +134,88 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
     outcomes = coll.all_gather_object((error, index_entry))
     failed = [(r, err) for r, (err, _) in enumerate(outcomes) if err is not None]
     if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        # every rank: where the directory is not shared, a rank's files sit in a temp directory of its own node
+        shutil.rmtree(tmp, ignore_errors=True)
         r, err = failed[0]
-        raise CheckpointError(f"save_checkpoint: rank {r} failed ({err}); nothing was published, the previous "
+        raise CheckpointError(f"save_checkpoint: {where(r)} failed ({err}); nothing was published, the previous "
                               f"checkpoint in {root} is intact")
 
-    # 4. publish
-    result, published = None, False
+    # 4. publish: every publisher renames its step directory into place ...
+    manifest, result = None, None
     if rank == 0:
         try:
+            if not node_local:
+                _check_one_directory(tmp, outcomes)
             manifest = _manifest(engine, model, optimizer, step, [entry for _, entry in outcomes])
             manifest["client_state"] = client_state
+            if node_local:
+                manifest.update(node_local=True, nodes=layout.nodes, extras_copies=publishers)
+        except Exception as e:  # reported to every rank below
+            result = _describe(e, f"publishing {final}")
+    if node_local:   # every node's publisher writes the same manifest
+        manifest, result = coll.all_gather_object((manifest, result))[0]
+    published = False
+    if publisher and result is None:
+        try:
             write_json(tmp / "manifest.json", manifest)
             fsync_dir(tmp)
             os.rename(tmp, final)
             published = True
             fsync_dir(root)  # the rename itself must be durable before `latest` names it
+        except Exception as e:
+            result = _describe(e, f"publishing {final}")
+    if publisher and not published:
+        shutil.rmtree(tmp, ignore_errors=True)
+    failed = [(r, err) for r, err in enumerate(coll.all_gather_object(result)) if err is not None]
+    if failed:
+        if published:   # another node's failed: this node's step directory alone is no checkpoint
+            doomed = root / f".tmp-delete-{final.name}-{uuid.uuid4().hex[:12]}"
+            os.rename(final, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)   # a rank's files in a temp directory rank 0 never saw
+        r, err = failed[0]
+        raise CheckpointError(f"save_checkpoint: {where(r)} failed ({err}); nothing was published, the previous "
+                              f"checkpoint in {root} is intact")
+    # ... and only then (every node's is in place) moves `latest` on and prunes
+    result = None
+    if publisher:
+        try:
             _write_latest(root, final.name)
             _prune(root, final, keep_last)
-        except Exception as e:  # reported to every rank below
-            if not published:
-                shutil.rmtree(tmp, ignore_errors=True)
-            result = (published, _describe(e, f"publishing {final}"))
-    # 5. nobody returns before rank 0 has published (or failed)
-    result = coll.all_gather_object(result)[0]
-    if result is not None:
-        published, err = result
-        if published:
-            raise CheckpointError(f"save_checkpoint: {final} is complete, but rank 0 then failed ({err}); "
-                                  f"{root / 'latest'} may still name the previous checkpoint")
-        raise CheckpointError(f"save_checkpoint: rank 0 failed ({err}); nothing was published, the previous "
-                              f"checkpoint in {root} is intact")
+        except Exception as e:
+            result = _describe(e, f"publishing {final}")
+    # 5. nobody returns before every publisher has published (or failed)
+    failed = [(r, err) for r, err in enumerate(coll.all_gather_object(result)) if err is not None]
+    if failed:
+        r, err = failed[0]
+        raise CheckpointError(f"save_checkpoint: {final} is complete, but {where(r)} then failed ({err}); "
+                              f"{root / 'latest'} may still name the previous checkpoint")
     return final
+
+
+def _make_node_dir(root: Path, final: Path, tmp: Path) -> str | None:
+    """Node-local: this node's ``root`` and temp directory, made here; None, or what went wrong."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            return f"{final} already exists; pass another step or remove it"
+        tmp.mkdir()   # not exist_ok: a node that finds another's means the directories are shared
+    except FileExistsError:
+        return (f"{tmp} was made by another node: the nodes' directories are one shared file system; save "
+                "without node_local (infinity train without --save-node-local)")
+    except OSError as e:
+        return f"cannot create {tmp}: {e.strerror or e}"
+    return None
+
+
+def _check_one_directory(tmp: Path, outcomes: list) -> None:
+    """Every rank's index must be in rank 0's temp directory: ranks that do not share it (nodes without a
+    shared file system) would otherwise publish a checkpoint missing their shards."""
+    for r, (_, entry) in enumerate(outcomes):
+        if not (tmp / entry["index"]).is_file():
+            raise CheckpointError(f"rank {r}'s files are not in {tmp} as rank 0 sees it: the ranks do not share this "
+                                  "directory (nodes without a shared file system?); save with node_local=True "
+                                  "(infinity train --save-node-local), each node into its own directory")
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -150,7 +233,9 @@ def _describe(e: Exception, doing: str) -> str:
     return f"{doing}: {type(e).__name__}: {e}"
 
 
-def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
+def _write_rank_files(tmp: Path, engine, model, rank: int, extras_copy: bool = False) -> dict:
+    """This rank's files and its index. ``extras_copy``: also the extras, in this rank's directory (a node-local
+    checkpoint's lowest rank of a node other than rank 0's: a node resumes from its own directory alone)."""
     mine = tmp / rank_dir(rank)
     mine.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -161,6 +246,9 @@ def _write_rank_files(tmp: Path, engine, model, rank: int) -> dict:
             files[rel] = _write_unit(tmp / rel, unit, rank, engine.placement)
     rel = f"{rank_dir(rank)}/state.json"
     files[rel] = write_json(tmp / rel, {"rank": rank, "rng": capture_rng()})
+    if extras_copy:
+        rel = f"{rank_dir(rank)}/extras.safetensors"
+        files[rel] = _write_extras(tmp / rel, engine, model)
     if rank == 0:
         files["extras.safetensors"] = _write_extras(tmp / "extras.safetensors", engine, model)
         hf = getattr(model, "config", None)

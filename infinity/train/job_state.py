@@ -30,21 +30,32 @@ from infinity.train.errors import TrainError
 from infinity.train.options import DEFAULT_SAVE_ROOT
 from infinity.optim.moment_codes import moment_format
 
-__all__ = ["JOB_KEY", "JOB_VERSION", "read_job", "resume_path", "new_run_dir", "check_fresh_save_dir",
-           "save_dir_of", "checkpoint_bytes", "check_save_room", "check_no_later_checkpoints"]
+__all__ = ["JOB_KEY", "JOB_VERSION", "RESUME_IF_SAVED", "read_job", "resume_path", "new_run_dir",
+           "check_fresh_save_dir", "save_dir_of", "checkpoint_bytes", "check_save_room", "check_no_later_checkpoints"]
 
 JOB_KEY = "infinity_train"
 JOB_VERSION = 1
+# --resume if-saved: the save dir's latest checkpoint if it has one, else a fresh run. The one command a
+# launcher that restarts failed ranks (torchrun --max-restarts) can run unchanged the first time and after.
+RESUME_IF_SAVED = "if-saved"
 
 
 def _has_checkpoints(d: Path) -> bool:
     return d.is_dir() and any(STEP_DIR_RE.match(p.name) and (p / "manifest.json").is_file() for p in d.iterdir())
 
 
-def resume_path(resume: str, save_dir: str | None) -> Path:
+def resume_path(resume: str, save_dir: str | None) -> Path | None:
     """The step directory ``--resume`` names: a checkpoint path, or (``"auto"``) the save dir's latest;
-    without ``--save-dir``, the newest run under :data:`DEFAULT_SAVE_ROOT`."""
-    if resume == "auto":
+    without ``--save-dir``, the newest run under :data:`DEFAULT_SAVE_ROOT`. ``"if-saved"``: the save dir's
+    latest, None when it has none (a fresh run)."""
+    if resume == RESUME_IF_SAVED:
+        if save_dir is None:
+            raise TrainError(f"--resume {RESUME_IF_SAVED}: give --save-dir, the directory a restarted run finds its "
+                             "checkpoints in")
+        if not _has_checkpoints(Path(save_dir)):
+            return None
+        root = Path(save_dir)
+    elif resume == "auto":
         if save_dir is not None:
             root = Path(save_dir)
         else:

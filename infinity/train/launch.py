@@ -5,7 +5,10 @@
   a free TCP port on localhost) and waited for; the first to fail ends the run
   and the others are killed rather than left in a collective;
 - under ``torchrun`` (``WORLD_SIZE`` and ``RANK`` set): this process is one rank
-  of the launcher's group; multi-node is torchrun's job.
+  of the launcher's group; multi-node is torchrun's job. Each rank keeps its
+  swap files in a run directory of its own under its node's swap directory,
+  and first removes those of ranks that died there (a lost node's ranks that
+  torchrun restarts find and remove their predecessors' files).
 
 Stopping: the first SIGINT (Ctrl-C) or SIGTERM (a scheduler, ``kill``, a
 container stop) asks every rank to stop after the step it is in: the launcher
@@ -65,12 +68,23 @@ def train(options: TrainOptions | None = None) -> TrainResult:
                              "(--nproc_per_node); drop --nproc")
         world_size = int(os.environ["WORLD_SIZE"])
         run = resolve(options, world_size)
+        run_lock = None
         if run.swap_dir is not None:
             prepare_swap_dir(run.swap_dir)   # every rank checks its own node's disk
-        # torchrun answers its own SIGINT by sending the workers SIGTERM: both mean "stop after this step"
-        stopper = _StopOnSignal(threading.Event())
-        with stopper as stop:
-            return stopper.stamp(run_rank(run, int(os.environ["RANK"]), world_size, stop))
+            # ranks killed on this node before (a lost node's, ones torchrun restarts) left their swap files in
+            # run directories whose locks died with them: removed here, by the ranks that start next on this
+            # node; each rank keeps its own files in a run directory of its own, removed when it ends
+            _say_removed(remove_stale_runs(run.swap_dir)[0], run.swap_dir)
+            run_lock = RunLock(run.swap_dir)
+            run = with_swap_dir(run, str(run_lock.path))
+        try:
+            # torchrun answers its own SIGINT by sending the workers SIGTERM: both mean "stop after this step"
+            stopper = _StopOnSignal(threading.Event())
+            with stopper as stop:
+                return stopper.stamp(run_rank(run, int(os.environ["RANK"]), world_size, stop))
+        finally:
+            if run_lock is not None:
+                run_lock.release()
     nproc = check_int("--nproc", options.nproc, 1)
     if torch.cuda.is_available() and nproc > torch.cuda.device_count():   # CUDA-only: one device per rank
         raise TrainError(f"--nproc {nproc}: only {torch.cuda.device_count()} CUDA device(s) here, one per rank")
@@ -83,9 +97,7 @@ def launch(run: TrainRun, nproc: int) -> TrainResult:
     if run.swap_dir is not None:
         prepare_swap_dir(run.swap_dir)
         removed, _ = remove_stale_runs(run.swap_dir)   # those of live owners (other jobs) are left alone
-        if removed:
-            print(f"infinity train: removed {len(removed)} swap run director{'y' if len(removed) == 1 else 'ies'} "
-                  f"of dead runs under {run.swap_dir}", file=sys.stderr)
+        _say_removed(removed, run.swap_dir)
         # a directory per run: two runs sharing a swap dir must not meet in each other's files
         run_lock = RunLock(run.swap_dir)
         run = with_swap_dir(run, str(run_lock.path))
@@ -104,6 +116,12 @@ def launch(run: TrainRun, nproc: int) -> TrainResult:
         if run_lock is not None:
             # the engine closes its own files; this also covers ranks that were killed mid-write
             run_lock.release()
+
+
+def _say_removed(removed: list, swap_dir: str) -> None:
+    if removed:
+        print(f"infinity train: removed {len(removed)} swap run director{'y' if len(removed) == 1 else 'ies'} "
+              f"of dead runs under {swap_dir}", file=sys.stderr)
 
 
 def _threads_per_rank(nproc: int) -> int:

@@ -201,9 +201,9 @@ def _save(run: TrainRun, model, optimizer, scheduler, steps_done: int, report) -
            "seed": run.seed, "batch_size": run.batch_size, "seq_len": run.seq_len, "accum": run.accum,
            "data": run.data, "corpus_bytes": run.corpus_bytes, "tokenizer": run.tokenizer,
            "val_fraction": run.val_fraction, "schedule": run.config["schedule"],
-           "lr_scheduler": scheduler.state_dict()}
+           "lr_scheduler": scheduler.state_dict(), "save_node_local": run.save_node_local}
     path = infinity.save_checkpoint(run.save_dir, model, optimizer, step=steps_done, keep_last=run.keep_last,
-                                    client_state={JOB_KEY: job})
+                                    client_state={JOB_KEY: job}, node_local=run.save_node_local)
     if report is not None:
         report.checkpoint = str(path)
 

@@ -110,7 +110,10 @@ class TrainOptions:
     save_dir: str | None = None        # None: DEFAULT_SAVE_ROOT/run-<time>, or the resumed run's directory
     save_every: int = 0                # also save every N steps; 0 = only at the end and on Ctrl-C
     keep_last: int | None = None       # keep the newest K checkpoints of this save dir; None = all
-    resume: str | None = None          # a checkpoint (step dir or save dir); "auto" = the save dir's latest
+    resume: str | None = None          # a checkpoint (step dir or save dir); "auto" = the save dir's latest;
+                                       # "if-saved" = the save dir's latest if it has one, else a fresh run
+    save_node_local: bool | None = None    # resumable; each node saves its own ranks' files into its own
+                                           # --save-dir (nodes without a shared file system); default False
     sample_every: int = 0              # print a sample of sample_tokens tokens every N steps; 0 = never
     sample_tokens: int = 64
     metrics: str | None = None         # one JSON line per step (rank 0)

@@ -64,6 +64,7 @@ class TrainRun:
     sample_every: int = 0
     sample_tokens: int = 64
     lr_override: bool = False       # --lr given on --resume: the schedule continues from the new base lr
+    save_node_local: bool = False   # each node saves its own ranks' files into its own save_dir
 
 
 def under_torchrun() -> bool:
@@ -127,6 +128,7 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
     job, resume = {}, None
     if o.resume is not None:
         resume = resume_path(o.resume, o.save_dir)
+    if resume is not None:
         job = read_job(resume)
 
     def pick(value, key, default):   # the flag if given, else the resumed run's, else the default
@@ -208,7 +210,8 @@ def resolve(options: TrainOptions, world_size: int) -> TrainRun:
                 val_fraction=val_fraction, eval_every=eval_every, eval_batches=eval_batches, save_dir=save_dir,
                 save_every=save_every, keep_last=keep_last, resume=None if resume is None else str(resume),
                 start_step=start_step, lr_scheduler_state=job.get("lr_scheduler"), sample_every=sample_every,
-                sample_tokens=sample_tokens, lr_override=o.lr is not None and resume is not None)
+                sample_tokens=sample_tokens, lr_override=o.lr is not None and resume is not None,
+                save_node_local=bool(pick(o.save_node_local, "save_node_local", False)) and save_dir is not None)
 
 
 def _config_accum(config) -> int:
