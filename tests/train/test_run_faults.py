@@ -15,6 +15,7 @@ import pytest
 
 import infinity.train.loop as loop
 from infinity.cli import main
+from cli_output import error_lines
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--no-progress", "--eval-every", "0",
@@ -28,7 +29,7 @@ def _in_tmp(tmp_path, monkeypatch):
 
 def _one_line(err: str) -> str:
     assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
+    lines = error_lines(err)
     assert len(lines) == 1, err
     return lines[0]
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cli_output import error_lines
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--no-progress",
         "--eval-every", "0", "--host-bytes", "1MiB"]   # below the model's 1.8 MiB of state: swap files exist
@@ -98,7 +100,7 @@ def test_sigterm_saves_removes_swap_and_exits_143(nproc, to, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, err
-    assert "Traceback" not in err and err.strip().startswith("infinity train: interrupted after step "), err
+    assert "Traceback" not in err and error_lines(err)[0].startswith("infinity train: interrupted after step "), err
     assert _files_under(swap) == [] and list(swap.iterdir()) == []
     steps_done = metrics.read_text().count("\n")
     latest = save / (save / "latest").read_text().strip()
