@@ -161,10 +161,13 @@ TRAIN = ["-m", "infinity.cli", "train", "--model", "tiny", "--steps", "16", "--b
          "--save-node-local", "--save-every", "4", "--resume", "if-saved", "--metrics", "{node_dir}/metrics.jsonl"]
 
 
-def _wait_for(predicate, timeout_s: float, what: str) -> None:
+def _wait_for(job, predicate, timeout_s: float, what: str) -> None:
+    """Until ``predicate()``; fails at once, with both logs, if the job ends first."""
     import time
     deadline = time.monotonic() + timeout_s
     while not predicate():
+        if not job.running():
+            raise AssertionError(f"the job ended before {what}:\n" + job.wait(0).describe())
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.02)
 
@@ -181,7 +184,7 @@ def test_a_lost_nodes_ranks_restart_from_the_last_checkpoint(tmp_path):
         # a restarted attempt must not read the last attempt's addresses from torchrun's shared store
         job = nodes.launch(TRAIN, rendezvous="c10d", max_restarts=1, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
         try:
-            _wait_for(lambda: latest.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 6,
+            _wait_for(job, lambda: latest.exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 6,
                       JOB_TIMEOUT_S, "a checkpoint and two more steps")
             assert len(job.kill_ranks(1)) == 2
             before_kill = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -204,3 +207,34 @@ def test_a_lost_nodes_ranks_restart_from_the_last_checkpoint(tmp_path):
     for n in nodes.nodes:
         assert not [p for p in (n.dir / "swap").rglob("*") if p.is_file()], f"swap files left on node {n.index}"
         assert (n.dir / "ckpt" / f"step_{resumed_at:08d}" / "manifest.json").is_file()
+
+
+def test_a_link_that_goes_down_ends_both_nodes_within_the_timeout(tmp_path):
+    """The link goes down mid-run (no connection is reset: packets are dropped). Every rank on both nodes
+    stops with a CollectiveTimeout after dist.timeout_s (plus the bounded question to the store, for the node
+    cut off from it) naming the collective, node 0's ranks naming node 1's ranks as not arrived; each node's
+    last checkpoint is whole."""
+    from infinity.checkpoint.manifest import Checkpoint
+
+    config = tmp_path / "config.yaml"
+    config.write_text("dist: {timeout_s: 6, warn_after_s: 2}\noffload: {optimizer: nvme, params: nvme}\n"
+                      "tiers: {nvme_path: swap}\n")   # --swap-dir puts it in each node's directory
+    cmd = [a for a in TRAIN if a not in ("--resume", "if-saved")] + ["--config", str(config), "--steps", "400"]
+    with TwoNodes(tmp_path, keep_files=True) as nodes:
+        metrics = nodes.nodes[0].dir / "metrics.jsonl"
+        job = nodes.launch(cmd)
+        try:
+            _wait_for(job, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 6, JOB_TIMEOUT_S,
+                      "six steps")
+            nodes.set_link(False)
+            result = job.wait(JOB_TIMEOUT_S)
+        finally:
+            job.kill()
+    assert not result.timed_out and all(rc not in (0, None) for rc in result.returncodes), result.describe()
+    log0, log1 = result.logs
+    assert "(dist.timeout_s 6); not arrived: ranks 2, 3. A rank is stopped, hung or dead" in log0, result.describe()
+    assert "(dist.timeout_s 6); not arrived: unknown (the process group's store does not answer" in log1, \
+        result.describe()
+    latest = [(n.dir / "ckpt" / "latest").read_text().strip() for n in nodes.nodes]
+    assert latest[0] == latest[1]
+    Checkpoint([n.dir / "ckpt" / latest[0] for n in nodes.nodes])   # every rank's files, checksums checked

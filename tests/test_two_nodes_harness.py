@@ -49,7 +49,7 @@ def test_a_run_past_its_timeout_is_killed_and_everything_is_removed(tmp_path):
         assert all(n in _namespaces() for n in names)
         node_dirs = [n.dir for n in nodes.nodes]
         # plain python instead of a training script: torchrun starts one "rank" per node running it
-        result = nodes.run([str(script), "{node}"], timeout_s=15, nproc_per_node=1)
+        result = nodes.run([str(script), "{node}"], timeout_s=10, nproc_per_node=1)
         assert result.timed_out and result.returncodes == [None, None], result.describe()
         assert all("ready" in log for log in result.logs), result.describe()
         # 3 MB of payload from node 1, plus TCP/IP headers and the rendezvous in both directions

@@ -40,7 +40,10 @@ counts can drift apart, and "not arrived" is then approximate; the
 collective named is always this rank's own).
 Publishing goes to the store only once a wait is already long: a healthy
 step never touches it. When the store itself does not answer (it lives in
-rank 0, which may be the stuck one) the line says the ranks are unknown.
+rank 0, which may be the stuck one, or on torchrun's first node, which a
+downed link cuts off) the line says the ranks are unknown: every question to
+the store is bounded, so a rank cut off from it still raises its error and
+still reaches the hard exit.
 """
 
 from __future__ import annotations
@@ -139,47 +142,69 @@ class _Watchdog:
 
     def _publish(self, wait: _Wait) -> None:
         if self.store is not None and self.world_size > 1:
-            try:
-                self.store.set(_KEY.format(rank=self.rank), str(wait.seq))
-            except Exception:   # noqa: BLE001 - a store that does not answer is reported when reading
-                pass
+            # a store that does not answer is reported when reading
+            _ask_store(lambda: self.store.set(_KEY.format(rank=self.rank), str(wait.seq)))
 
     def _not_arrived(self, wait: _Wait) -> str:
         """Ranks that are not waiting in this collective, from the store; 'unknown' if it does not answer."""
         if self.store is None or self.world_size == 1:
             return "unknown"
-        try:
+
+        def read():
             keys = [_KEY.format(rank=r) for r in range(self.world_size)]
             present = [r for r, k in enumerate(keys) if r != self.rank and self.store.check([k])]
-            seqs = dict(zip(present, (int(self.store.get(keys[r])) for r in present)))
-        except Exception:   # noqa: BLE001 - the store is in rank 0's process, which may be the stuck one
-            return "unknown (the process group's store does not answer: rank 0 may be the stuck one)"
+            return dict(zip(present, (int(self.store.get(keys[r])) for r in present)))
+        seqs = _ask_store(read)
+        if seqs is None:   # the store lives with rank 0 (or torchrun's first node): stuck, or out of reach
+            return ("unknown (the process group's store does not answer: rank 0, or the link to the node that "
+                    "holds the store, may be the problem)")
         missing = [r for r in range(self.world_size) if r != self.rank and seqs.get(r, 0) < wait.seq]
         return "ranks " + ", ".join(map(str, missing)) if missing else "none (every rank waits: a backend stall)"
 
     def announce(self, message: str) -> None:
         """Tell the other ranks why this one fails (best effort: the store may be gone too)."""
         if self.store is not None and self.world_size > 1:
-            try:
-                self.store.set(_FAILED_KEY.format(rank=self.rank), message)
-            except Exception:   # noqa: BLE001 - the peers then see the collective fail, without the why
-                pass
+            # the peers then see the collective fail, without the why
+            _ask_store(lambda: self.store.set(_FAILED_KEY.format(rank=self.rank), message))
 
     def peer_failure(self) -> str | None:
-        """The lowest failed rank's published message, ``"rank r failed: ..."``; None if none was published."""
+        """The lowest failed rank's published message, ``"rank r failed: ..."``; None if none was published
+        (or the store does not answer)."""
         if self.store is None or self.world_size == 1:
             return None
-        for r in range(self.world_size):
-            key = _FAILED_KEY.format(rank=r)
-            try:
+
+        def read():
+            for r in range(self.world_size):
+                key = _FAILED_KEY.format(rank=r)
                 if r != self.rank and self.store.check([key]):
                     return f"rank {r} failed: {self.store.get(key).decode()}"
-            except Exception:   # noqa: BLE001 - no store, no message
-                return None
-        return None
+            return None
+        return _ask_store(read)
 
     def close(self) -> None:
         self._closed.set()
+
+
+# How long one question to the store may take. A healthy store answers in milliseconds; one that has not
+# answered in this long is unreachable (its node lost, the link down) or stuck, and a rank waiting on it would
+# never reach its error or the hard exit below. Giving up early costs only a less informative message.
+_STORE_ANSWER_S = 5.0
+
+
+def _ask_store(question):
+    """``question()`` (store calls), on a helper thread so a store that never answers cannot hold this one;
+    its answer, or None when it raised or did not answer within :data:`_STORE_ANSWER_S`."""
+    answer: list = []
+
+    def ask():
+        try:
+            answer.append(question())
+        except Exception:   # noqa: BLE001 - no store, no answer
+            pass
+    helper = threading.Thread(target=ask, daemon=True, name="infinity-store-question")
+    helper.start()
+    helper.join(_STORE_ANSWER_S)   # a helper still blocked is left behind: a daemon, it ends with the process
+    return answer[0] if answer else None
 
 
 _WATCHDOG: _Watchdog | None = None

@@ -316,6 +316,10 @@ class TwoNodes:
             out[key] = int(stats["tx"]["bytes"])
         return out
 
+    def set_link(self, up: bool) -> None:
+        """Take the link down (both ends lose carrier: packets are dropped, no connection is reset) or up."""
+        _ip("-n", self.nodes[0].netns, "link", "set", "dev", self.nodes[0].dev, "up" if up else "down")
+
     # ------------------------------------------------------------ launching
 
     def launch(self, command, nproc_per_node: int = 2, rendezvous: str = "static", max_restarts: int = 0,
