@@ -34,11 +34,15 @@ def _rel(a: float, b: float) -> float:
 
 def test_from_pretrained_with_a_deepspeed_config_trains_as_the_plain_trainer(checkpoint, tmp_path):
     """One process: ``InfinityTrainer(from_pretrained(ckpt, ds_config))`` with parameters and optimizer states on
-    NVMe gives the plain Trainer's per-micro-batch losses and learning rates bitwise (gradient norms within 1e-5),
+    NVMe gives the plain Trainer's learning rates bitwise and its per-micro-batch losses and gradient norms within
+    1e-5 relative (fp32 sums in another order move the last bits),
     and its trained model the same logits; the state really went through the swap files."""
     plain = cases.fine_tune("plain", checkpoint, str(tmp_path / "plain"))
     ours = cases.fine_tune("ours", checkpoint, str(tmp_path / "ours"), cases.deepspeed_nvme(str(tmp_path / "swap")))
-    assert len(ours["losses"]) == 8 and ours["losses"] == plain["losses"]
+    # per-micro-batch losses: the same weights up to fp32 sums in another order (the gradients are reduced
+    # over flat shards and the update runs on the stored copy), so equal to the last bits, not bitwise
+    assert len(ours["losses"]) == len(plain["losses"]) == 8
+    assert max(_rel(a, b) for a, b in zip(ours["losses"], plain["losses"])) <= REL
     assert ours["lrs"] == plain["lrs"] and len(ours["grad_norms"]) == len(plain["grad_norms"]) == 4
     # the norm's sum of squares runs over shards, not tensors: the last bit may differ
     assert max(_rel(a, b) for a, b in zip(ours["grad_norms"], plain["grad_norms"])) <= REL
