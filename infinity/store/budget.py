@@ -21,21 +21,27 @@ when every rank of the node has taken its part and the step is at its peak:
   ``ACTIVATION_FRACTION`` of the device, until measured); the slack
   (``max(DEVICE_SLACK_MIN_BYTES, DEVICE_SLACK_FRACTION * total)``) is for NCCL's
   buffers, the caching allocator's fragmentation and the copy streams.
-- device (CPU, where the "device" is ordinary memory): 1/4 of physical RAM per
-  local rank, small enough that the device tier is over-subscribed for real.
+- device (CPU, where the "device" is ordinary memory): 1/4 of the RAM per local
+  rank, small enough that the device tier is over-subscribed for real.
+
+"RAM" and "available" are what this process may use: in a container or a job
+whose cgroup grants it less memory than the machine has, the grant
+(:mod:`infinity.store.memory_grant`), since the kernel kills the job at its
+limit however much the machine has free.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from infinity.config import TiersConfig, format_size
 from infinity.store.eviction import Candidate, EvictionPolicy
+from infinity.store.memory_grant import host_memory
 from infinity.store.records import KeyRecord
 from infinity.store.residency import Residency, StoreError, Tier
 
@@ -50,6 +56,8 @@ CPU_DEVICE_FRACTION = 0.25          # of physical RAM, for a CPU "device" tier
 ACTIVATION_FRACTION = 0.25          # of device memory, for activations until the caller measures them
 DEVICE_SLACK_MIN_BYTES = 1 * GiB    # NCCL buffers, allocator fragmentation, streams, CUDA context growth
 DEVICE_SLACK_FRACTION = 0.05        # ... or this share of device memory, if more
+
+log = logging.getLogger(__name__)
 
 
 class BudgetError(StoreError):
@@ -108,19 +116,24 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device,
     """Byte budgets for the device and host tiers (NVMe is bounded by the disk, not by us); ``auto`` as
     in the module doc, measured now."""
     headroom = headroom if headroom is not None else DeviceHeadroom()
-    ranks = local_ranks() if "auto" in (tiers.device_bytes, tiers.host_bytes) else 1
+    auto = "auto" in (tiers.device_bytes, tiers.host_bytes)
+    ranks = local_ranks() if auto else 1
+    memory = host_memory() if auto else None   # RAM this process may use: the machine's, or its cgroup's grant
     if tiers.device_bytes != "auto":
         device_bytes = tiers.device_bytes
     elif device.type == "cuda" and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info(device)   # CUDA-only: this device's (free, total) bytes
         device_bytes = auto_device_bytes(free, total, headroom)
     else:
-        device_bytes = int(psutil.virtual_memory().total * CPU_DEVICE_FRACTION) // ranks
+        device_bytes = int(memory.total_bytes * CPU_DEVICE_FRACTION) // ranks
     if tiers.host_bytes != "auto":
         host_bytes = tiers.host_bytes
     else:
-        vm = psutil.virtual_memory()
-        host_bytes = auto_host_bytes(vm.available, vm.total, ranks)
+        host_bytes = auto_host_bytes(memory.available_bytes, memory.total_bytes, ranks)
+    if auto:
+        log.info("infinity: tier budgets per rank: device %d bytes (%s), host %d bytes (%s); %d local rank(s), %s",
+                 device_bytes, format_size(device_bytes), host_bytes, format_size(host_bytes), ranks,
+                 memory.grant.describe() if memory.grant is not None else "no memory grant (the machine's RAM)")
     return {Tier.DEVICE: int(device_bytes), Tier.HOST: int(host_bytes)}
 
 

@@ -1,6 +1,6 @@
 """``tiers.*_bytes: auto``: the host budget is shared by the ranks of a machine and leaves the OS its
 reserve; the device budget leaves room for the working set, activations and a slack. Measured values
-(``psutil.virtual_memory``, ``torch.cuda.mem_get_info``) are stubbed, so the CUDA rule runs on CPU."""
+(``psutil.virtual_memory``, the cgroup grant, ``torch.cuda.mem_get_info``) are stubbed, so the CUDA rule runs on CPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from infinity.config import TiersConfig
 from infinity.store import Tier
-from infinity.store import budget
+from infinity.store import budget, memory_grant
 from infinity.store.budget import DeviceHeadroom, auto_device_bytes, auto_host_bytes, resolve_budgets
 
 GiB = 2**30
@@ -21,8 +21,11 @@ GiB = 2**30
 
 @pytest.fixture
 def machine(monkeypatch):
-    """A 64 GiB machine with 60 GiB available and an 80 GiB GPU with 79 GiB free (stubbed)."""
-    monkeypatch.setattr(budget.psutil, "virtual_memory", lambda: SimpleNamespace(total=64 * GiB, available=60 * GiB))
+    """A 64 GiB machine with 60 GiB available, no cgroup memory grant, and an 80 GiB GPU with 79 GiB free
+    (stubbed)."""
+    monkeypatch.setattr(memory_grant.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(total=64 * GiB, available=60 * GiB))
+    monkeypatch.setattr(memory_grant, "find_grant", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     calls = []
 
