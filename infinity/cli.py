@@ -276,7 +276,9 @@ def _run_profile(args) -> int:
 def _print_profile(profile: dict, paths: dict) -> None:
     m, mc, hd, nv, ad, co = (profile[k] for k in ("machine", "memcpy", "host_device", "nvme", "cpu_adam",
                                                      "collectives"))
-    print(f"machine      {m['cores_available']} cores, {_size(m['ram_bytes'])} RAM; {m['dir']} is "
+    grant = m.get("memory_grant")   # profiles from before the grant was recorded have none
+    granted = f" (a cgroup v{grant['version']} memory grant)" if grant else ""
+    print(f"machine      {m['cores_available']} cores, {_size(m['ram_bytes'])} RAM{granted}; {m['dir']} is "
           f"{m['fs_type']}, {m['direct_io']} I/O")
     print(f"memcpy       {mc['gbps']:.2f} GB/s ({mc['threads']} threads), {mc['single_thread_gbps']:.2f} GB/s "
           f"(1 thread), {_size(mc['bytes'])} buffer" + (f"; into fresh memory {mc['fresh_gbps']:.2f} GB/s "

@@ -83,6 +83,7 @@ from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import split_bf16_
 from infinity.precision import DTYPES, choose, hardware_record, measure_rates
+from infinity.store.memory_grant import host_memory
 
 __all__ = [
     "ProfileError",
@@ -202,12 +203,16 @@ def _fs_type(path: str) -> str:
 
 
 def machine_info(directory: str, direct: bool) -> dict:
-    mem = psutil.virtual_memory()
+    """The machine, as far as this process may use it: RAM is its cgroup's memory grant where that is
+    smaller than the machine's (``memory_grant``: the grant as :mod:`infinity.store.memory_grant` reads it,
+    None without one), since the planner sizes budgets from it."""
+    mem = host_memory()
     info = {
         "cpu_count": os.cpu_count(),
         "cores_available": default_adam_threads(1),
-        "ram_bytes": mem.total,
-        "ram_available_bytes": mem.available,
+        "ram_bytes": mem.total_bytes,
+        "ram_available_bytes": mem.available_bytes,
+        "memory_grant": mem.to_dict()["grant"],
         "dir": directory,
         "fs_type": _fs_type(directory),
         "direct_io": "direct" if direct else "buffered",

@@ -1,7 +1,8 @@
 """What this machine and install can do: the facts behind ``infinity report`` (DeepSpeed's ``ds_report``).
 
 :func:`build_report` gathers them as one JSON-ready dict and :func:`report_lines` renders it for a
-terminal. It measures little, and only with the probes training itself uses: the compute dtype
+terminal. It measures little, and only with the probes training itself uses: the RAM this process may
+use (:mod:`infinity.store.memory_grant`: the machine's, capped by a cgroup's memory grant), the compute dtype
 ``auto`` would pick is :func:`infinity.precision.choose`'s answer (on a CPU, its short matmul probe,
 cached per CPU, torch version and thread count), the native libraries are the ones
 :mod:`infinity.optim.native` and :mod:`infinity.store.host_cache` build at first use (built now if
@@ -24,6 +25,7 @@ from infinity.config import IOConfig, format_size
 from infinity.io import aligned_empty, probe_direct_io
 from infinity.precision import choose, hardware_record
 from infinity.profile import COMPUTE_SHAPES, _engine_point, _fs_type
+from infinity.store.memory_grant import host_memory
 
 __all__ = ["build_report", "report_lines", "probe_directory", "DEFAULT_PROBE_BYTES"]
 
@@ -120,7 +122,8 @@ def probe_directory(directory: str, probe_bytes: int = DEFAULT_PROBE_BYTES) -> d
 
 def build_report(directory: str | None = None, probe_bytes: int = DEFAULT_PROBE_BYTES) -> dict:
     """Everything ``infinity report`` says, JSON-ready."""
-    out = {"software": _software(), "devices": _devices(), "precision_auto": _precision(), "native": _native()}
+    out = {"software": _software(), "devices": _devices(), "memory": host_memory().to_dict(),
+           "precision_auto": _precision(), "native": _native()}
     if directory is not None:
         out["directory"] = probe_directory(directory, probe_bytes)
     return out
@@ -128,6 +131,18 @@ def build_report(directory: str | None = None, probe_bytes: int = DEFAULT_PROBE_
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _memory_lines(mem: dict) -> list[str]:
+    """RAM, and the cgroup grant that caps what this process may use of it (what ``auto`` budgets follow)."""
+    machine = (f"RAM: {format_size(mem['physical_total_bytes'])}, "
+               f"{format_size(mem['physical_available_bytes'])} available")
+    g = mem["grant"]
+    if g is None:
+        return [machine + "; no cgroup memory grant (auto budgets are sized from the machine's RAM)"]
+    return [machine, f"memory grant: cgroup v{g['version']} limit {format_size(g['limit_bytes'])}, "
+                     f"{format_size(g['available_bytes'])} available ({g['path']}); auto budgets are sized "
+                     "from it"]
 
 
 def report_lines(report: dict) -> list[str]:
@@ -149,6 +164,7 @@ def report_lines(report: dict) -> list[str]:
                          f"{_yes(d['native_bf16'])}")
     else:
         lines.append("CUDA: no device (the compute device is the CPU; its device tier is RAM)")
+    lines += _memory_lines(report["memory"])
     lines.append(f"precision auto on {prec['device']}:")
     for key, label in (("params_offloaded", "parameters offloaded"), ("params_not_offloaded", "in memory")):
         c = prec[key]

@@ -40,3 +40,18 @@ def test_cli_report_json_and_bad_dir(tmp_path, capsys):
     assert out["directory"]["io"] is None and out["directory"]["path"] == str(tmp_path)
     assert main(["report", "--dir", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_report_names_the_memory_grant_when_there_is_one(monkeypatch):
+    """RAM is always reported; a cgroup memory grant gets a line of its own saying auto budgets follow it."""
+    from infinity.store import memory_grant
+
+    report = build_report()
+    assert report["memory"]["physical_total_bytes"] > 0
+    assert "RAM:" in "\n".join(report_lines(report))
+    grant = memory_grant.MemoryGrant(2, "/sys/fs/cgroup/job", 6 * 2**30, 5 * 2**30)
+    monkeypatch.setattr(memory_grant, "find_grant", lambda *a, **k: grant)
+    report = build_report()
+    assert report["memory"]["grant"]["limit_bytes"] == 6 * 2**30
+    assert report["memory"]["total_bytes"] == min(6 * 2**30, report["memory"]["physical_total_bytes"])
+    assert "memory grant: cgroup v2 limit 6.0GiB" in "\n".join(report_lines(report))
