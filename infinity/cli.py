@@ -133,7 +133,7 @@ def _run_estimate(args) -> int:
     for e in rows:
         if e.memory.spare_bytes:
             print(f"config: includes {_size(e.memory.spare_bytes)} of spare parameter and optimizer copies "
-                  "(optimizer.overlap_mode speculative)")
+                  "(optimizer.update_at speculative)")
     if memory is not None:
         print("\n" + "\n".join(memory["lines"]))
     elif config is not None:

@@ -43,7 +43,20 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("fp32", "bf16", "fp16")
 MASTER_FORMATS = ("fp32", "remainder")
 MOMENT_FORMATS = ("fp32", "bf16", "int8")   # infinity.optim.moment_codes has each one's layout
-OVERLAP_MODES = ("auto", "backward", "next_forward", "speculative")
+UPDATE_AT = ("step", "backward", "next_forward", "speculative", "auto")
+# keys a newer one replaced: the one-line error names it (a value is not carried over silently)
+_REPLACED = {"optimizer.overlap_backward": "optimizer.update_at", "optimizer.overlap_mode": "optimizer.update_at"}
+
+
+@dataclass(frozen=True)
+class UpdateTiming:
+    """A resolved ``optimizer.update_at`` (:meth:`Config.update_schedule`) and what it implies for the parts
+    that size or price the run, so none of them compares the value again."""
+
+    at: str              # step, backward, next_forward or speculative
+    overlapped: bool     # some unit's update runs while compute does (not all at optimizer.step())
+    in_backward: bool    # updates run during the step's last backward: its gradients wait in host memory for them
+    spares: bool         # each class the update writes has a spare copy (speculative: commit or redo)
 
 
 class ConfigError(ValueError):
@@ -272,21 +285,20 @@ class OptimizerConfig:
     eps: float = _f(1.0e-8, _float(0.0, lo_open=True), "AdamW epsilon")
     weight_decay: float = _f(0.1, _float(0.0), "decoupled weight decay")
     threads: Any = _f("auto", _int_or_auto(1), "CPU Adam threads; auto = cores / local ranks")
-    overlap_backward: bool = _f(
-        False, _bool, "overlap each unit's Adam update (swap-in, CPU Adam, write-back) with compute instead of "
-        "running them all at step(): hides the step's I/O. Needs zero.stage >= 2 and offload.optimizer host or "
-        "nvme; where it overlaps is optimizer.overlap_mode. Hyper-parameters (lr) are read when the first unit's "
-        "update starts (backward mode: set the lr before the step's last backward)")
-    overlap_mode: str = _f(
-        "auto", _choice(*OVERLAP_MODES), "with overlap_backward: backward = each unit updated during the step's "
+    update_at: str = _f(
+        "step", _choice(*UPDATE_AT), "when each unit's Adam update (swap-in, CPU Adam, write-back) runs. step = "
+        "every unit at optimizer.step(). The others overlap the offloaded update with compute, hiding the step's "
+        "I/O (zero.stage >= 2 and offload.optimizer host or nvme): backward = each unit updated during the step's "
         "last backward (schedule.accum_steps says which) as soon as its gradient shard is final (hides ~2/3 of "
-        "the step's compute; no clip_grad_norm_, no fp16); next_forward = step() computes the clip coefficient "
+        "the step's compute; no clip_grad_norm_, no fp16; the lr is read when the first unit's update starts); "
+        "next_forward = step() computes the clip coefficient "
         "or fp16 overflow, then launches the updates in forward order and the next forward waits for each unit's "
         "before using it (exact with clipping and fp16, hides ~1/3); speculative = updated during the last "
         "backward into spare copies before the clip norm is known, committed by step() when nothing clipped or "
         "overflowed, else redone from the untouched state (exact; a run that keeps clipping falls back to "
         "next_forward; costs disk or host memory for a second copy of the parameters and optimizer states); "
-        "auto = next_forward when schedule.clip_grad_norm is set or precision.param_dtype is fp16, else backward")
+        "auto = step unless the optimizer is offloaded at stage >= 2, then next_forward when "
+        "schedule.clip_grad_norm is set or precision.param_dtype is fp16 or auto, else backward")
     master: str = _f(
         "fp32", _choice(*MASTER_FORMATS), "stored format of the fp32 master weights. remainder (bf16 parameters "
         "only): the master is kept as a signed 16-bit remainder beside the bf16 parameter, exactly (training is "
@@ -485,6 +497,11 @@ def _build_section(cls, name: str, raw: Any):
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: expected a mapping of keys to values, got {raw!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    replaced = sorted(k for k in raw if f"{name}.{k}" in _REPLACED)
+    if replaced:
+        new = _REPLACED[f"{name}.{replaced[0]}"]
+        raise ConfigError(f"{name}.{replaced[0]}: replaced by {new}; set {new} to one of "
+                          f"{', '.join(UPDATE_AT)} (overlap_backward true with overlap_mode M is update_at M)")
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         raise ConfigError(
@@ -580,16 +597,16 @@ class Config:
             d[name].update(changes)
         return Config.from_dict(d)
 
-    def update_overlap(self) -> str:
-        """Where the offloaded update overlaps compute: ``off``, ``backward`` or ``next_forward``
-        (``optimizer.overlap_mode`` with ``auto`` resolved, see its doc)."""
-        opt = self.optimizer
-        if not opt.overlap_backward:
-            return "off"
-        if opt.overlap_mode != "auto":
-            return opt.overlap_mode
-        needs_all = self.schedule.clip_grad_norm is not None or self.precision.param_dtype in ("fp16", "auto")
-        return "next_forward" if needs_all else "backward"
+    def update_schedule(self) -> "UpdateTiming":
+        """``optimizer.update_at`` with ``auto`` resolved (see its doc), and what it implies: the one place
+        a config's update schedule is decided (the engine builds it, :func:`infinity.zero.schedules.make_schedule`)."""
+        at = self.optimizer.update_at
+        if at == "auto":
+            needs_all = self.schedule.clip_grad_norm is not None or self.precision.param_dtype in ("fp16", "auto")
+            at = ("step" if self.zero.stage < 2 or self.offload.optimizer == "none" else
+                  "next_forward" if needs_all else "backward")
+        return UpdateTiming(at, overlapped=at != "step", in_backward=at in ("backward", "speculative"),
+                            spares=at == "speculative")
 
     def _check_finite(self):
         """Sections built directly (not through :meth:`from_dict`'s parsers) still never carry NaN or inf."""
@@ -619,19 +636,18 @@ class Config:
         if off.optimizer != "none" and self.zero.stage < 1:
             raise ConfigError(
                 "offload.optimizer: needs zero.stage >= 1 (stage 0 keeps full optimizer state per rank)")
-        if self.optimizer.overlap_backward:
-            self._check_overlap_backward()
+        if self.optimizer.update_at not in ("step", "auto"):
+            self._check_update_at()
         self._check_precision()
         if self.optimizer.master == "remainder" and self.precision.param_dtype not in ("bf16", "auto"):
             raise ConfigError(
                 f"optimizer.master: remainder needs precision.param_dtype bf16, got {self.precision.param_dtype} "
                 "(the remainder is the fp32 master's low 16 bits beside a bf16 parameter's high 16; an fp16 "
                 "parameter has other exponent bits, an fp32 one is the master itself)")
-        if self.optimizer.overlap_backward and self.optimizer.overlap_mode == "backward":
-            if self.schedule.clip_grad_norm is not None:
-                raise ConfigError("schedule.clip_grad_norm: not with optimizer.overlap_mode backward (each unit is "
-                                  "updated during backward, before the global gradient norm is known); use "
-                                  "overlap_mode next_forward, speculative or auto")
+        if self.optimizer.update_at == "backward" and self.schedule.clip_grad_norm is not None:
+            raise ConfigError("schedule.clip_grad_norm: not with optimizer.update_at backward (each unit is "
+                              "updated during backward, before the global gradient norm is known); use "
+                              "update_at next_forward, speculative or auto")
         if self.schedule.min_lr > self.optimizer.lr and self.schedule.lr_schedule != "constant":
             raise ConfigError(f"schedule.min_lr: {self.schedule.min_lr:g} is above optimizer.lr "
                               f"{self.optimizer.lr:g}; a decay goes down to min_lr")
@@ -678,14 +694,14 @@ class Config:
                               "overflow by the inf/nan it leaves in the reduced gradients, which quantization "
                               "cannot carry; use bf16")
 
-    def _check_overlap_backward(self):
-        why = None
+    def _check_update_at(self):
+        at, why = self.optimizer.update_at, None
         if self.zero.stage < 2:
             why = f"needs zero.stage >= 2 (a unit's gradient shard is final during backward), got {self.zero.stage}"
         elif self.offload.optimizer == "none":
             why = "needs offload.optimizer host or nvme (the update runs as the offloaded CPU Adam)"
-        elif self.precision.param_dtype == "fp16" and self.optimizer.overlap_mode == "backward":
-            why = ("overlap_mode backward is not for precision.param_dtype fp16: the overflow check needs every "
-                   "gradient before any update; use overlap_mode next_forward, speculative or auto")
+        elif self.precision.param_dtype == "fp16" and at == "backward":
+            why = ("not for precision.param_dtype fp16: the overflow check needs every gradient before any "
+                   "update; use update_at next_forward, speculative or auto")
         if why is not None:
-            raise ConfigError(f"optimizer.overlap_backward: {why}")
+            raise ConfigError(f"optimizer.update_at {at}: {why}")

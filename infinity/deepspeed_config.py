@@ -98,7 +98,7 @@ KEYS: dict = {k.path: k for k in (
        "offload.host_resident_bytes (auto: what tiers.host_bytes holds beyond the step's working room)"),
     _k("zero_optimization.offload_optimizer", SECTION, note="stages 1-3"),
     _k("zero_optimization.offload_optimizer.device", MAPS, "offload.optimizer, offload.grads, "
-       "optimizer.overlap_backward", "none / cpu / nvme -> none / host / nvme, for the optimizer states and (stage "
+       "optimizer.update_at", "none / cpu / nvme -> none / host / nvme, for the optimizer states and (stage "
        ">= 2) the reduced gradients the CPU Adam reads, as DeepSpeed keeps them beside the states; stage >= 2 also "
        "overlaps each unit's update with compute (exact: bitwise the update after backward)"),
     _k("zero_optimization.offload_optimizer.nvme_path", MAPS, "tiers.nvme_path", "as offload_param.nvme_path"),
@@ -115,7 +115,7 @@ KEYS: dict = {k.path: k for k in (
     _k("zero_optimization.offload_optimizer.ratio", REFUSED, note="each tensor class has one home tier; a partial "
        "optimizer offload is not supported (set 1.0)", accepted=(1, 1.0)),
     _k("zero_optimization.overlap_comm", SIZED, note="each unit's gradients are reduced as its backward ends, and the "
-       "offloaded update overlaps compute (optimizer.overlap_backward)"),
+       "offloaded update overlaps compute (optimizer.update_at auto)"),
     _k("zero_optimization.contiguous_gradients", SIZED, note="gradients always live in one flat shard per unit"),
     _k("zero_optimization.reduce_scatter", SIZED, note="stages 2-3 reduce-scatter each unit's gradients"),
     _k("zero_optimization.allgather_partitions", SIZED, note="parameters are all-gathered one unit at a time"),
@@ -471,7 +471,7 @@ class _Reader:
         self.put("offload", "optimizer", optimizer)
         if optimizer != "none" and stage >= 2:
             self.put("offload", "grads", optimizer)
-            self.put("optimizer", "overlap_backward", True)
+            self.put("optimizer", "update_at", "auto")
         paths = {p: self.get(f"{z}.{p}.nvme_path") for p in ("offload_param", "offload_optimizer")
                  if self.get(f"{z}.{p}.device") == "nvme"}
         for p, path in paths.items():

@@ -277,3 +277,22 @@ def test_remainder_master_needs_bf16_parameters(dtype, why):
     with pytest.raises(ConfigError, match="optimizer.master"):
         Config.from_dict({"optimizer": {"master": "fp16"}})
     assert Config().optimizer.master == "fp32"
+
+
+@pytest.mark.parametrize("key", ["overlap_backward", "overlap_mode"])
+def test_the_replaced_overlap_keys_are_refused_naming_update_at(key):
+    """The two keys that chose when the update runs are one knob now: either is a one-line error naming
+    ``optimizer.update_at`` and how the old pair maps onto it; auto resolves once, by what the run allows."""
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"optimizer": {key: True if key == "overlap_backward" else "backward"}})
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"optimizer.{key}: replaced by optimizer.update_at")
+    assert "update_at M" in msg
+    offloaded = {"zero": {"stage": 2}, "offload": {"optimizer": "host"}}
+    assert Config.from_dict({"optimizer": {"update_at": "auto"}}).update_schedule().at == "step"
+    assert Config.from_dict({**offloaded, "optimizer": {"update_at": "auto"},
+                             "precision": {"param_dtype": "bf16"}}).update_schedule().at == "backward"
+    assert Config.from_dict({**offloaded, "optimizer": {"update_at": "auto"},
+                             "schedule": {"clip_grad_norm": 1.0}}).update_schedule().at == "next_forward"
+    timing = Config.from_dict({**offloaded, "optimizer": {"update_at": "speculative"}}).update_schedule()
+    assert (timing.overlapped, timing.in_backward, timing.spares) == (True, True, True)

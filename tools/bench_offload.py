@@ -393,7 +393,7 @@ else:
     model = GPT(cfg)
 numel = sum(p.numel() for p in model.parameters())
 conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32"},
-        "optimizer": {"threads": args["threads"], "overlap_backward": args["offload"] and args["overlap"]}}
+        "optimizer": {"threads": args["threads"], "update_at": "auto" if args["offload"] and args["overlap"] else "step"}}
 if args["offload"]:
     conf.update(offload={"optimizer": "nvme", "params": "nvme", "grads": args["grads"]},
                 tiers={"nvme_path": args["dir"], "host_bytes": args["host_bytes"], "device_bytes": args["device_bytes"]},
@@ -442,7 +442,7 @@ def bench_zero3(root: str, args) -> dict:
         "model": gpt, "batch": args.batch, "seq": args.seq, "steps": args.steps, "numel": res["nvme"]["numel"],
         "in_memory_step_s": res["in_memory"]["step_s"], "nvme_step_s": res["nvme"]["step_s"],
         "nvme_over_in_memory": res["nvme"]["step_s"] / res["in_memory"]["step_s"], "target_ratio": 1.25,
-        "grads": args.grads, "overlap_backward": args.overlap, "precision": res["nvme"]["precision"],
+        "grads": args.grads, "update_at": "auto" if args.overlap else "step", "precision": res["nvme"]["precision"],
         "in_memory_phases_s": res["in_memory"]["phases"], "nvme_phases_s": res["nvme"]["phases"],
         "training_state_bytes": state,
         "in_memory_peak_rss_bytes": res["in_memory"]["peak_rss_bytes"],
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-live-bytes", default="64MiB")
     ap.add_argument("--grads", choices=("host", "nvme"), default="nvme", help="ZeRO-3 bench: where gradients live")
     ap.add_argument("--overlap", action="store_true",
-                    help="ZeRO-3 bench: the NVMe run with optimizer.overlap_backward (updates during backward)")
+                    help="ZeRO-3 bench: the NVMe run with optimizer.update_at auto (updates during backward)")
     args = ap.parse_args(argv)
     base = args.dir or ("/work" if os.path.isdir("/work") else None)
     root = tempfile.mkdtemp(prefix="bench_offload_", dir=base)

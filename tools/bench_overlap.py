@@ -5,12 +5,12 @@ this CPU), everything on NVMe, the same init and batches), these variants, each 
 fresh swap directory:
 
 - ``plain``: clip 1.0, ``--accum`` micro-batches, no overlap (the step after backward);
-- ``next_forward``: the same recipe with ``optimizer.overlap_backward`` (auto: the exact update runs
-  during the next forward);
+- ``next_forward``: the same recipe with ``optimizer.update_at: auto`` (with clipping: the exact update
+  runs during the next forward);
 - ``backward``: overlap without clipping (the update during the last backward), what the clipped
   overlapped step is held against;
 - ``plain_noclip``: no clipping, no overlap;
-- ``speculative``: clip 1.0 with ``optimizer.overlap_mode: speculative`` and its adaptive fallback
+- ``speculative``: clip 1.0 with ``optimizer.update_at: speculative`` and its adaptive fallback
   (speculate in backward; after a redo, next_forward until unclipped steps return);
 - ``speculative_commit``: speculative with a clip that never fires (1e9): every step commits its
   speculation, the committed step's cost against ``backward``;
@@ -50,11 +50,11 @@ from infinity.precision import hardware_record  # noqa: E402
 
 import torch  # noqa: E402
 
-VARIANTS = {   # name: (overlap_backward, clip, overlap_mode, speculate on every step)
-    "plain": (False, 1.0, "auto", False), "next_forward": (True, 1.0, "auto", False),
-    "backward": (True, None, "auto", False), "plain_noclip": (False, None, "auto", False),
-    "speculative": (True, 1.0, "speculative", False), "speculative_commit": (True, 1e9, "speculative", False),
-    "speculative_redo": (True, 1e-6, "speculative", True),
+VARIANTS = {   # name: (optimizer.update_at, clip, speculate on every step)
+    "plain": ("step", 1.0, False), "next_forward": ("auto", 1.0, False),
+    "backward": ("auto", None, False), "plain_noclip": ("step", None, False),
+    "speculative": ("speculative", 1.0, False), "speculative_commit": ("speculative", 1e9, False),
+    "speculative_redo": ("speculative", 1e-6, True),
 }
 
 
@@ -63,10 +63,9 @@ def child(a) -> dict:
 
     import infinity
     name, _, phase = a.variant.partition("@")
-    overlap, clip, mode, always = VARIANTS[name]
+    update_at, clip, always = VARIANTS[name]
     conf = bs.infinity_config(a)
-    conf["optimizer"]["overlap_backward"] = overlap
-    conf["optimizer"]["overlap_mode"] = mode
+    conf["optimizer"]["update_at"] = update_at
     if phase:
         conf.setdefault("io", {})["phase_bytes"] = int(phase)
     conf["schedule"] = {"clip_grad_norm": clip, "accum_steps": a.accum}
@@ -99,7 +98,7 @@ def child(a) -> dict:
             t3 = time.perf_counter()
             off = engine.stats.last_step.get("offload", {})
             rows.append({"loss": loss_sum, "norm": norm, "step_s": t3 - t0, "forward_s": fwd, "backward_s": bwd,
-                         "optimizer_s": t3 - t, "overlap_mode": off.get("overlap_mode", "off"),
+                         "optimizer_s": t3 - t, "update_at": off.get("update_at", "step"),
                          "speculation": off.get("speculation"), "spills": off.get("spills"),
                          "disk_read_bytes": off.get("moved_bytes", {}).get("nvme->host", 0),
                          "disk_write_bytes": off.get("moved_bytes", {}).get("host->nvme", 0)})

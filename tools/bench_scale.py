@@ -9,7 +9,7 @@ init (normal 0.02, residual ``c_proj`` 0.02/sqrt(2 n_layer), LayerNorm 1/0; seed
 order as the DeepSpeed peer's zero.Init path draws them); synthetic tokens uniform in [0, 1024), sequence
 256, micro-batch 2, one rank, 2 threads; fp32 master; AdamW lr 6e-4, betas (0.9, 0.95), eps 1e-8, weight
 decay 0.01; ZeRO-3 with parameters, gradients and optimizer on NVMe (``--set`` changes the config, e.g.
-``--set optimizer.overlap_backward=true``).
+``--set optimizer.update_at=auto``).
 
 Precision (``--precision``, default ``auto``, or the ``--config`` file's ``precision.param_dtype``): infinity's
 ``precision.param_dtype``; ``auto`` is resolved by :mod:`infinity.precision` (bf16 where this CPU's matmul probe
@@ -180,7 +180,7 @@ def infinity_config(a) -> dict:
         key, eq, value = item.partition("=")
         section, dot, name = key.strip().partition(".")
         if not (eq and dot and name):
-            sys.exit(f"--set {item!r}: expected section.key=value, e.g. optimizer.overlap_backward=true")
+            sys.exit(f"--set {item!r}: expected section.key=value, e.g. optimizer.update_at=auto")
         conf.setdefault(section, {})[name] = yaml.safe_load(value)
     try:   # unknown keys and bad values are refused here, before anything runs
         if wants_auto(conf):
@@ -201,7 +201,7 @@ def disk_need(a) -> dict:
     placement = Placement.from_config(config)
     sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[a.dtypes["infinity_stored"]].itemsize,
                                        DTYPES[config.precision.reduce_dtype].itemsize)
-    # overlap_mode speculative: each class Adam writes has a spare copy beside it (Placement.copies)
+    # update_at speculative: each class Adam writes has a spare copy beside it (Placement.copies)
     per_param = sum(n * placement.copies(cls) for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
     ours = int(a.n_params * per_param) + GIB   # the swap file grows in steps of up to 1 GiB (int8: 65/64 B)
     peer = a.n_params * 18 if a.peer else 0      # DeepSpeed: bf16 params, fp32 master, m, v and grads
@@ -629,8 +629,8 @@ def report(r):
     if wants_auto(r["infinity_config"]):
         c = i["engine_config"]
         print(f"auto chose: stage {c['zero']['stage']}, offload {c['offload']}, optimizer master "
-              f"{c['optimizer']['master']} / moments {c['optimizer']['moments']}, overlap "
-              f"{c['optimizer']['overlap_backward']}, checkpointing {c['zero']['activation_checkpointing']}, "
+              f"{c['optimizer']['master']} / moments {c['optimizer']['moments']}, update at "
+              f"{c['optimizer']['update_at']}, checkpointing {c['zero']['activation_checkpointing']}, "
               f"tiers {c['tiers']['host_bytes']} / {c['tiers']['device_bytes']}")
     print(f"infinity: step {i['step_s']:.2f} s ({phases(**i['phases_s'])}); losses {i['losses']}; other "
           f"processes' CPU per step {[s['foreign_cpu'] for s in i['steps']]}")

@@ -178,7 +178,7 @@ class MemoryEstimate:
     param_bytes: int        # this rank's param (shard), wherever it lives
     grad_bytes: int
     optimizer_bytes: int
-    # optimizer.overlap_mode speculative: a spare copy of this rank's parameter shard and optimizer states,
+    # optimizer.update_at speculative: a spare copy of this rank's parameter shard and optimizer states,
     # beside each in its tier (included in the tier totals)
     spare_bytes: int = 0
 
@@ -224,7 +224,7 @@ def estimate(num_params: int, world_size: int, placement: Placement, precision: 
 
     ``precision`` ("mixed" or "fp32") sets the state bytes per parameter (``state`` overrides them:
     :func:`state_bytes` with the stored formats). ``param_dtype``/``reduce_dtype`` set the bytes per
-    communicated element; by default 2 for mixed, 4 for fp32. ``spares`` (``optimizer.overlap_mode``
+    communicated element; by default 2 for mixed, 4 for fp32. ``spares`` (``optimizer.update_at``
     speculative): a spare copy of what Adam writes, this rank's parameter shard and optimizer states, in
     the tier of each (an fp32 parameter that is the master counts once).
     """
@@ -292,7 +292,7 @@ def estimate_config(config, num_params: int, world_size: int) -> Estimate:
     precision = "fp32" if stored == "fp32" else "mixed"
     state = state_bytes(precision, config.optimizer.master, config.optimizer.moments)
     return estimate(num_params, world_size, placement, precision, stored, config.precision.reduce_dtype, state,
-                    spares=config.update_overlap() == "speculative")
+                    spares=config.update_schedule().spares)
 
 
 def _dtype_bytes(dtype: str, what: str) -> int:

@@ -128,12 +128,12 @@ def trainer_config(config: Config, args, schedule_from_config: bool = False) -> 
                          "supported: the Trainer's data loader gives every rank its own batch, tensor-parallel "
                          "ranks need the same one; use parallel.tensor 1 (ZeRO only)")
     # clipping and accumulation as the Trainer runs them: the overlapped update reads both
-    # (overlap_mode auto updates during the next forward when the Trainer clips)
+    # (update_at auto updates during the next forward when the Trainer clips)
     clip = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
-    if clip is not None and config.optimizer.overlap_backward and config.optimizer.overlap_mode == "backward":
+    if clip is not None and config.optimizer.update_at == "backward":
         raise ValueError(f"InfinityTrainer: TrainingArguments max_grad_norm={clip:g} conflicts "
-                         "with optimizer.overlap_mode backward (units are updated during backward, before the "
-                         "global norm is known); set overlap_mode auto, next_forward or speculative, or max_grad_norm=0")
+                         "with optimizer.update_at backward (units are updated during backward, before the "
+                         "global norm is known); set update_at auto, next_forward or speculative, or max_grad_norm=0")
     return config.replace(optimizer={"lr": wanted["lr"][1], "betas": list(wanted["betas"][1]),
                                      "eps": wanted["eps"][1], "weight_decay": wanted["weight_decay"][1]},
                           schedule={"clip_grad_norm": clip, "accum_steps": int(args.gradient_accumulation_steps)})

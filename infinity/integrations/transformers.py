@@ -36,9 +36,9 @@ It follows the Trainer's DeepSpeed integration, one hook at a time:
   as DeepSpeed's engine does in its ``step``.
 - ``gradient_accumulation_steps``: every micro-batch's backward reduces into
   the shards (there is no ``no_sync`` to skip; stage 2-3 keep no full gradient).
-  With ``optimizer.overlap_backward`` the last micro-batch's backward updates
+  With ``optimizer.update_at`` the last micro-batch's backward updates
   (``schedule.accum_steps`` is set from it), or, when ``max_grad_norm`` clips,
-  the update runs during the next forward (``overlap_mode`` auto); exact either way.
+  the update runs during the next forward (``update_at`` auto); exact either way.
 - checkpoints (``save_steps``): ``checkpoint-N/`` holds an infinity sharded
   checkpoint in ``infinity/`` (``latest``, ``step_N``; every rank writes its
   shards, atomically), the consolidated model beside it (``model.safetensors``,

@@ -136,7 +136,7 @@ class AdamPipeline:
     Two forms, one code path: ``run(jobs, hyper)`` updates a known list (the step
     after backward); the streaming form ``start(hyper)``, ``submit(job)`` as each
     job becomes ready, ``finish()`` updates shards while the caller is still busy
-    (``optimizer.overlap_backward``: during backward). Either way the swap-in and
+    (``optimizer.update_at``: during backward). Either way the swap-in and
     the Adam compute run on two pipeline threads; ``run`` / ``finish`` wait for
     them, re-raise their error and return the step's stats.
 

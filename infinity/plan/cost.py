@@ -20,8 +20,8 @@ backward, step), so a prediction and a run compare term by term. Each comes from
   runs ahead, never less than the first unit's read (nothing runs before it to hide it behind).
 - the optimizer step: a pipeline of swap-in, CPU Adam, write-back: the slower of the disk and Adam,
   plus the first chunk's read and the last one's write, at the CPU Adam rate the profile measured for
-  the config's stored formats. With ``optimizer.overlap_backward`` it runs during backward
-  (``overlap_mode`` backward; speculative is priced as the step that commits, its kept gradients
+  the config's stored formats. With ``optimizer.update_at`` it runs during backward
+  (``update_at`` backward; speculative is priced as the step that commits, its kept gradients
   written in backward where the host cannot hold them) or during the next forward (next_forward:
   clipping, fp16), and what it cannot hide shows in that phase's step or forward; on a CPU compute
   device Adam and the compute share the cores, so only the disk hides. The disk is one resource:
@@ -291,15 +291,15 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     pipeline_io = max(disk_s - adam, 0.0) + fill if disk_s else 0.0
     step = phases["step"]
     step["comm_s"] = comm["step"]
-    overlap = config.update_overlap() if placement.optimizer is not None else "off"
-    if overlap != "off":
+    timing = config.update_schedule()
+    if timing.overlapped and placement.optimizer is not None:
         # backward (and a speculation that commits): the pipeline starts as each unit's gradient is final,
         # and hides behind backward; next_forward: step() launches it and the next forward waits per unit,
         # so it hides behind forward (a third of the compute, not two) and what is left shows in forward.
         # On a CPU device Adam takes the cores that phase computes on (it shows as its compute), and only
         # the disk hides.
-        in_backward = overlap in ("backward", "speculative")
-        if overlap == "speculative":
+        in_backward = timing.in_backward
+        if timing.spares:
             notes.append("speculative: the step that commits; one that clips (or overflows) redoes its update "
                          "after backward, unhidden, and the next steps run as next_forward until norms calm")
         name = "backward" if in_backward else "forward"
@@ -315,7 +315,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         if device_is_host:
             alone = (compute_b_alone if in_backward else compute_f_alone) + adam
             host["compute_s"] = _beside_disk(alone, disk_all, slowdown)
-            notes.append(f"overlap ({overlap}) on a CPU device: Adam shares the cores with the compute")
+            notes.append(f"overlap ({timing.at}) on a CPU device: Adam shares the cores with the compute")
             waits["io_wait_s"] += max(disk_all - own_exposed - host["compute_s"], tail)
         else:
             busy = host["compute_s"]

@@ -43,9 +43,9 @@ _MiB = 2**20
 TIERS = ("none", "host", "nvme")
 # knob -> the values tried; "section.key". optimizer.master remainder is exact, so it is tried (the config
 # refuses it but for bf16 parameters); lossy moments (bf16, int8) are planned only when asked for,
-# ``--fix optimizer.moments=bf16``. Where overlap_backward overlaps is chosen between backward (refused
+# ``--fix optimizer.moments=bf16``. When the update runs is chosen among step, backward (refused
 # by the config with clipping or fp16) and next_forward; speculative is planned only when asked for
-# (``--fix optimizer.overlap_mode=speculative``): whether it pays depends on how often the norm clips (a
+# (``--fix optimizer.update_at=speculative``): whether it pays depends on how often the norm clips (a
 # redo), which no profile measures. Checkpointing only the first N units is priced when asked for
 # (``--fix zero.activation_checkpointing=N``), not searched: its step is predicted right, but where it
 # keeps more activations the peak RSS predicted runs 11-13% over the measured (GPT-2 small at 1 GiB:
@@ -56,8 +56,7 @@ DIMENSIONS = {
     "offload.params": TIERS,
     "offload.grads": TIERS,
     "offload.optimizer": TIERS,
-    "optimizer.overlap_backward": (False, True),
-    "optimizer.overlap_mode": ("backward", "next_forward"),
+    "optimizer.update_at": ("step", "backward", "next_forward"),
     "zero.activation_checkpointing": (False, True),
     "precision.reduce_dtype": ("fp32", "bf16"),
     "offload.chunk_bytes": (64 * _MiB, 192 * _MiB, 256 * _MiB),
@@ -133,7 +132,7 @@ class Choice:
         k = self.knobs
         off = "/".join(f"{c}:{k[f'offload.{c}']}" for c in ("params", "grads", "optimizer"))
         extras = [f"chunk {format_size(k['offload.chunk_bytes'])}" if _stores(k) else None,
-                  f"overlap in {k['optimizer.overlap_mode']}" if k["optimizer.overlap_backward"] else None,
+                  f"overlap in {k['optimizer.update_at']}" if k["optimizer.update_at"] != "step" else None,
                   _ckpt_label(k["zero.activation_checkpointing"]),
                   f"reduce {k['precision.reduce_dtype']}",
                   ("prefetch" if k["prefetch.bytes"] else "no prefetch") if _stored_params(k) else None,
@@ -261,8 +260,6 @@ def _enumerate(request: PlanRequest, io: dict):
             continue
         if not _stored_params(knobs) and knobs["prefetch.bytes"] != dims["prefetch.bytes"][-1]:
             continue
-        if not knobs["optimizer.overlap_backward"] and knobs["optimizer.overlap_mode"] != dims["optimizer.overlap_mode"][-1]:
-            continue   # where to overlap matters only when the update overlaps
         if compute_dtype(request) == "fp32" and knobs["precision.reduce_dtype"] != "fp32":
             continue
         if knobs["optimizer.master"] != "fp32" and knobs["offload.optimizer"] == "none":
@@ -324,7 +321,7 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
 def _signature(c: Choice) -> tuple:
     """The knobs that make two candidates different choices (chunk size and prefetch alone are noise)."""
     return tuple(c.knobs[k] for k in ("zero.stage", "offload.params", "offload.grads", "offload.optimizer",
-                                      "optimizer.overlap_backward", "optimizer.overlap_mode",
+                                      "optimizer.update_at",
                                       "zero.activation_checkpointing",
                                       "optimizer.master", "optimizer.moments"))
 

@@ -55,8 +55,8 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
     that must match plain PyTorch exactly. ``stage`` < 3 drops the parameter offload (only
     stage 3 shards parameters), stage 0 the optimizer offload too.
 
-    From stage 2 the offloaded update overlaps compute (``optimizer.overlap_backward``; the schedule
-    clips, so ``overlap_mode`` auto runs it exactly during the next forward, each unit's update waited
+    From stage 2 the offloaded update overlaps compute (``optimizer.update_at`` auto; the schedule
+    clips, so it runs exactly during the next forward, each unit's update waited
     for just before that unit runs): the step's optimizer I/O is hidden behind forward instead of
     waited for at ``step()``, with the same results bitwise.
     """
@@ -68,7 +68,7 @@ def default_config(swap_dir: str | os.PathLike = DEFAULT_SWAP_DIR, stage: int = 
     return Config.from_dict({
         "zero": {"stage": stage},
         "precision": {"param_dtype": DEFAULT_PARAM_DTYPE, "reduce_dtype": "fp32"},
-        "optimizer": {"lr": DEFAULT_LR, "overlap_backward": stage >= 2},
+        "optimizer": {"lr": DEFAULT_LR, "update_at": "auto"},
         "offload": offload,
         "tiers": {"nvme_path": str(swap_dir)},
         "schedule": DEFAULT_SCHEDULE,

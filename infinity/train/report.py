@@ -132,10 +132,10 @@ def engine_metrics(engine, step_s: float) -> dict:
     phases split into compute / I/O waited on / Adam / communication / unattributed, per phase
     (:mod:`infinity.zero.stats`); ``outside_phases_s``: the rest of the loop's step (data, the
     loss outside the model, clipping, the LR scheduler, the loss's all-reduce).
-    ``previous_update``: with ``optimizer.overlap_mode`` next_forward, the update the previous step
+    ``previous_update``: with ``optimizer.update_at`` next_forward, the update the previous step
     launched and this one waited for (its ``adam_s``, ``swap_in_wait_s``, ``swap_out_wait_s`` and
     ``update_wait_s``); a step whose own update is still running then has no ``adam_s``.
-    ``speculation``: with ``optimizer.overlap_mode`` speculative, whether the step speculated and how
+    ``speculation``: with ``optimizer.update_at`` speculative, whether the step speculated and how
     that ended (``committed``, ``redone``, ``redo_s``, ``skipped``), and the fallback's ``calm_needed`` / ``calm``.
     """
     last = engine.stats.last_step
@@ -154,7 +154,7 @@ def engine_metrics(engine, step_s: float) -> dict:
     if "sent_bytes" in coll:
         out["sent_bytes"] = sum(coll["sent_bytes"].values())
     offload = last.get("offload") or {}
-    # a launched update (optimizer.overlap_mode next_forward) runs on into the next step: its Adam and swap
+    # a launched update (optimizer.update_at next_forward) runs on into the next step: its Adam and swap
     # times are not known yet, and the line of the step that waited for it carries them (previous_update)
     deferred = offload.get("update_deferred") and "update_wait_s" not in offload
     update_keys = ("adam_s", "swap_in_wait_s", "swap_out_wait_s")

@@ -86,7 +86,7 @@ from infinity.zero.storage_pool import StoragePool
 from infinity.zero.store_shard import store_shards
 from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
                                  shard_align_numel)
-from infinity.zero.update import ShardUpdate
+from infinity.zero.schedules import make_schedule
 
 __all__ = ["ZeroEngine", "DTYPES"]
 
@@ -188,9 +188,9 @@ class ZeroEngine:
                                          budgets=budgets)   # "auto" measured once, checked above
                 self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
                 self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
-            self.update = ShardUpdate(self.units, self.store, self.coll, self.policy, self.shard_rank, self.rank,
-                                      self.hyper, self.tracer, config.optimizer, config.update_overlap(),
-                                      config.schedule.accum_steps)
+            self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,
+                                        self.shard_rank, self.rank, self.hyper, self.tracer, config.optimizer,
+                                        config.schedule.accum_steps)
             self.grads = self._build_grads(config)
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
                                        self.tracer, config.zero.reshard_after_forward, self.rank,
@@ -198,14 +198,14 @@ class ZeroEngine:
             self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
-            self._finalizer = weakref.finalize(self, _release, self.update.pipeline, self.update.adam, self.store)
+            self._finalizer = weakref.finalize(self, _release, self.update.closer(), self.store)
             with torch.no_grad():
                 meta.place_units(model, self.units, init_fn, self._place_unit, self.device)
                 meta.move_unsharded(model, self.units, self.device)   # buffers, frozen parameters
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
                                           config.zero.checkpointed_units(sum(not u.is_root for u in self.units)),
-                                          wait_units=self.update.may_launch and not self.policy.shard_params)
+                                          wait_units=self.update.waits_before_use and not self.policy.shard_params)
         except BaseException:
             self.close()
             raise
@@ -262,7 +262,7 @@ class ZeroEngine:
         moments = moment_format(self.placement.moments_format)   # optimizer.moments
         for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
             shard.put_zeros(cls, unit.shard_numel, moments.dtype, self.device, layout=moments)
-        if self.update.speculation is not None:   # overlap_mode speculative: spare copies of what Adam writes
+        if self.update.uses_spares:   # update_at speculative: spare copies of what Adam writes
             shard.add_spares(spare_classes())
         unit.shard, unit.full_param = shard, full
         if self.compute_dtype != self.param_dtype:   # each gather is upcast into it (UnitGathers.gather)
@@ -311,7 +311,7 @@ class ZeroEngine:
         self.stats.start("forward")
         self.memory.forward_begins()   # counts saved activations once memory is enabled
         if self._root is not None:
-            self.update.wait_unit(self._root)   # next_forward: the root's launched update (used first)
+            self.update.before_use(self._root)   # next_forward: the root's launched update (used first)
         if self.policy.shard_params and self._root is not None:
             self.gathers.use_unit(self._root, training)
 
@@ -331,15 +331,15 @@ class ZeroEngine:
     @_engine_time
     def unit_pre_forward(self, unit, training: bool) -> None:
         """A unit's forward starts: its launched update is waited for (next_forward), stage 3 gathers it."""
-        self.update.wait_unit(unit)
+        self.update.before_use(unit)
         if self.policy.shard_params:
             self.gathers.use_unit(unit, training)
 
     def settle_update(self) -> None:
-        """Wait for an update ``optimizer.step()`` launched (``overlap_mode`` next_forward) to finish:
+        """Wait for an update ``optimizer.step()`` launched (``update_at`` next_forward) to finish:
         before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``). At
         stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
-        self.update.settle()
+        self.update.drain()
 
     @_engine_time
     def unit_post_forward(self, unit, training: bool) -> None:
@@ -390,7 +390,7 @@ class ZeroEngine:
     def _hand_final_units(self) -> None:
         """Units whose reduced gradient reached their shard are final: the update may take them (overlap)."""
         # an overlapped update reads each unit's gradient during backward: it must have landed
-        for unit in self.grads.take_folded(readable=self.update.overlap is not None):
+        for unit in self.grads.take_folded(readable=self.update.overlaps):
             self.update.unit_final(unit, self._backward_multiplier())
 
     @_engine_time
@@ -446,7 +446,7 @@ class ZeroEngine:
         self._go(StepPhase.STEPPING)
         try:
             self.grads.wait_writes()   # folded gradients still being written are read by the update
-            self.update.run(self.grads.multiplier)
+            self.update.step(self.grads.multiplier)
             self.stats.pipeline_stats(self.update.last_stats)   # its Adam and I/O waits, for attribution
         except BaseException as e:
             self._go(StepPhase.REDUCED)
@@ -498,7 +498,7 @@ class ZeroEngine:
             raise RuntimeError(f"zero_grad() on rank {self.rank} during backward")
         if self.phase is StepPhase.STEPPING:
             raise RuntimeError(f"zero_grad() on rank {self.rank} while optimizer.step() runs")
-        partial = sum(u.chunks_updated for u in self.units) or self.update.partial_overlapped_update
+        partial = sum(u.chunks_updated for u in self.units) or self.update.partial_update
         if partial:
             raise RuntimeError(
                 f"zero_grad() on rank {self.rank}: the last optimizer step failed part-way, with some units "
@@ -511,7 +511,7 @@ class ZeroEngine:
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
         """FSDP2's switch: False marks the next backwards as not the step's last (gradient accumulation).
         Gradients are still reduced into the shards (stages 2-3 keep no full gradient); only
-        ``optimizer.overlap_backward``'s backward-mode update waits for a backward outside it. Without
+        ``optimizer.update_at: backward``'s update waits for a backward outside it. Without
         overlap it changes nothing."""
         self._requires_sync = bool(requires_sync)
 
@@ -530,7 +530,7 @@ class ZeroEngine:
         self.notice_aborted_backward()
         if self.phase is StepPhase.BACKWARD:
             raise RuntimeError(f"load_checkpoint on rank {self.rank} during backward")
-        self.update.abort_step()
+        self.update.abort()
         for unit in self.units:
             unit.clear_update()
         if self.policy.shard_params:
@@ -567,7 +567,7 @@ class ZeroEngine:
         Outside the training step's cap: ``prefetch.max_live_bytes`` does not limit this block; exact
         even with ZeRO++'s qwZ (only the training step's gathers are quantized)."""
         self.notice_aborted_backward()
-        self.update.settle()   # the parameters read inside are the last step's
+        self.update.drain()   # the parameters read inside are the last step's
         if not self.policy.shard_params:
             yield
             return
@@ -597,7 +597,7 @@ class ZeroEngine:
         self._closed = True
         errors = []
         update, gathers = getattr(self, "update", None), getattr(self, "gathers", None)
-        for part in filter(None, (update and update.settle, self._remove_hooks, self._finish_folds,
+        for part in filter(None, (update and update.drain, self._remove_hooks, self._finish_folds,
                                     getattr(self, "_finalizer", None), gathers and gathers.buffers.trim,
                                     host_cache.trim)):   # the cache's blocks back to the OS too
             try:
@@ -606,7 +606,7 @@ class ZeroEngine:
                 errors.append(e)
         if not hasattr(self, "_finalizer"):   # failed before the finalizer existed
             try:
-                _release(update and update.pipeline, update and update.adam, self.store)
+                _release(update and update.closer(), self.store)
             except BaseException as e:   # noqa: BLE001
                 errors.append(e)
         if errors:
@@ -625,19 +625,15 @@ class ZeroEngine:
         self._handles = []
 
 
-def _release(pipeline, adam, store) -> None:
-    """Stop the update's threads, then close the store; each runs even if one before it raises.
-    (No reference to the engine here: this is its finalizer.)"""
+def _release(close_update, store) -> None:
+    """Stop the update's threads (``close_update``: :meth:`UpdateSchedule.closer`), then close the store;
+    each runs even if the first raises. (No reference to the engine here: this is its finalizer.)"""
     try:
-        if pipeline is not None:
-            pipeline.close()
+        if close_update is not None:
+            close_update()
     finally:
-        try:
-            if adam is not None:
-                adam.close()
-        finally:
-            if store is not None:
-                store.close()
+        if store is not None:
+            store.close()
 
 
 def _add_note(error: BaseException, note: str) -> None:

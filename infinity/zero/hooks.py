@@ -15,7 +15,7 @@ nothing else of it:
 - unit forward hook (stage 3): ``unit_post_forward`` releases the unit
   (``reshard_after_forward``) or keeps it for backward, and a grad hook on its
   outputs calls ``unit_pre_backward`` just before its backward runs.
-- unit forward pre-hook at stages 1-2 with ``optimizer.overlap_mode``
+- unit forward pre-hook at stages 1-2 with ``optimizer.update_at``
   next_forward: ``unit_pre_forward`` waits for the unit's update that
   ``optimizer.step()`` launched; a state-dict pre-hook on the model:
   ``settle_update`` (the whole launched update).

@@ -65,7 +65,7 @@ class Placement:
     optimizer: Tier | None = None
     chunk_bytes: int = 256 * 2**20   # host bytes one optimizer job's stored classes may take together
     # NVMe-homed gradients wait in host memory unwritten for an update that consumes them during
-    # backward (optimizer.overlap_mode backward), instead of a write now and a read at the step
+    # backward (optimizer.update_at backward), instead of a write now and a read at the step
     defer_grad_writes: bool = False
     # NVMe-homed chunks kept in host memory for good (``offload.host_resident_bytes``): "auto" or bytes
     host_resident: object = 0
@@ -73,7 +73,7 @@ class Placement:
     master_format: str = "fp32"
     # ``optimizer.moments``: the stored format of Adam's two moments ("fp32", "bf16" or "int8")
     moments_format: str = "fp32"
-    # ``optimizer.overlap_mode`` speculative: each stored class Adam writes has a spare copy beside it (same
+    # ``optimizer.update_at`` speculative: each stored class Adam writes has a spare copy beside it (same
     # home); a job's NVMe-homed states need no more host room (the copy read is handed to the spare's key)
     spares: bool = False
 
@@ -81,11 +81,11 @@ class Placement:
     def from_config(cls, config: Config) -> "Placement":
         """The config's cross-checks (stage / nvme_path) have already run in ``Config``."""
         off = config.offload
-        overlap = config.update_overlap()
+        timing = config.update_schedule()
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
-                   chunk_bytes=off.chunk_bytes, defer_grad_writes=overlap in ("backward", "speculative"),
+                   chunk_bytes=off.chunk_bytes, defer_grad_writes=timing.in_backward,
                    host_resident=off.host_resident_bytes, master_format=config.optimizer.master,
-                   moments_format=config.optimizer.moments, spares=overlap == "speculative")
+                   moments_format=config.optimizer.moments, spares=timing.spares)
 
     def copies(self, cls: TensorClass) -> int:
         """Stored copies of each element of ``cls``: 2 for a class Adam writes when it has spares, else 1."""
@@ -256,7 +256,7 @@ class Placement:
         together (master and moments: read and written once a step, 2 per byte). Within each, the root
         unit first, then the others in forward order: the root is gathered first in the forward, before
         any prefetch can hide its read, and its gradient is final only when backward ends, so its update
-        is the step's exposed tail (with ``optimizer.overlap_backward`` every other unit's is hidden
+        is the step's exposed tail (with ``optimizer.update_at`` every other unit's is hidden
         behind the rest of the backward, the least for the units the backward reaches last).
         Gradients are left out: with ``defer_grad_writes`` they reach the disk only when spilled.
         """
@@ -319,7 +319,7 @@ class Placement:
 
     def writes_kept_grads(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
                           plan: dict, host_bytes: int) -> bool:
-        """With spares (``overlap_mode`` speculative) and NVMe-homed gradients deferred: whether a gradient a
+        """With spares (``update_at`` speculative) and NVMe-homed gradients deferred: whether a gradient a
         speculative update keeps for a possible redo is written home and its host copy freed as soon as
         that update is done, instead of held in host memory until ``step()`` decides.
 

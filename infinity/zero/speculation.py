@@ -1,9 +1,9 @@
-"""``optimizer.overlap_mode: speculative``: update during backward before the clip norm is known, redo if wrong.
+"""``optimizer.update_at: speculative``: update during backward before the clip norm is known, redo if wrong.
 
 Clipping and fp16 need every gradient before any update, so without
 speculation the update waits for the end of backward (``next_forward`` mode).
 Speculation runs it during the step's last backward anyway, as the
-``backward`` mode does, with the gradient multiplier the step has before it
+``backward`` schedule does, with the gradient multiplier the step has before it
 knows the norm: 1, or fp16's unscale ``1 / loss_scale``. What makes that safe
 is where the updated state goes: each job writes its master, moments and
 parameter into *spare* copies (a second store key per chunk, same home; a
@@ -45,10 +45,16 @@ decide alike: the multiplier comes from the all-reduced norm and overflow flag.
 
 from __future__ import annotations
 
+import contextlib
+import time
+
+from infinity.store import StoreError, Tier
 from infinity.zero.placement import OPTIMIZER_CLASSES
 from infinity.zero.units import TensorClass
+from infinity.zero.update_backward import UpdateInBackward
+from infinity.zero.update_next_forward import UpdateAtNextForward
 
-__all__ = ["SpeculationPolicy", "spare_classes", "MAX_CALM_STEPS"]
+__all__ = ["SpeculationPolicy", "SpeculativeUpdate", "spare_classes", "MAX_CALM_STEPS"]
 
 # the most unclipped steps the policy waits for, after failed speculations, before speculating again
 MAX_CALM_STEPS = 32
@@ -86,3 +92,172 @@ class SpeculationPolicy:
     def state(self) -> dict:
         """For the step stats: how many unclipped steps the fallback still waits for (0: speculating)."""
         return {"calm_needed": self.calm_needed, "calm": self.calm}
+
+
+class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
+    """A step that speculates runs as :class:`UpdateInBackward` with spare jobs; one that does not, as
+    :class:`UpdateAtNextForward` (:attr:`speculating`, decided before the step's first backward by
+    :attr:`speculation`). ``step()`` commits the spares or redoes the update (see the module doc)."""
+
+    name = "speculative"
+    uses_spares = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.speculation = SpeculationPolicy()
+        self.speculating = True             # this step updates in its last backward (else: next_forward)
+        self._spec: _Speculation | None = None   # the running step's speculation
+        self._outcome: dict | None = None   # how the step's speculation ended, for its stats
+        self._unclipped: bool | None = None   # the step's multiplier was the one a speculation uses
+        self._expected_scale = 1.0          # that multiplier (the engine's, at the end of backward)
+
+    def _updates_in_backward(self) -> bool:
+        return self.speculating
+
+    def _launches(self) -> bool:
+        return not self.speculating
+
+    # ------------------------------------------------------------ events
+
+    def begin_backward(self, sync: bool) -> None:
+        self.drain()   # a step that did not speculate launched its update: the backward writes gradients
+        self._check_new_backward()
+        if self._backwards == 0:   # the step's first backward: does this step speculate?
+            self.speculating = self.speculation.speculate()
+            for unit in self.units:
+                unit.shard.set_step_speculates(self.speculating)
+        self._count_backward(sync)
+
+    def _start_step(self, grad_scale: float) -> None:
+        self._spec = _Speculation(grad_scale, self._begin())
+
+    def _unit_jobs(self, unit, grad_scale: float) -> list:
+        self._spec.units.append(unit)
+        return self.jobs(unit, grad_scale, spare=True)
+
+    def end_backward(self, grad_scale: float) -> None:
+        self._expected_scale = grad_scale
+        super().end_backward(grad_scale)
+
+    def step(self, grad_scale: float) -> None:
+        if self._spec is None:
+            self._unclipped = grad_scale == self._expected_scale
+            super().step(grad_scale)   # next_forward's launch, or (fewer backwards than expected) the plain step
+            return
+        self._finish_speculation(grad_scale)
+
+    def skip_step(self) -> None:
+        self._unclipped = False
+        self._drop_speculation({"speculated": True, "committed": False, "redone": False, "skipped": True})
+
+    def check_clip(self) -> None:
+        if self._spec is None:
+            super().check_clip()
+
+    def abort_backward(self) -> None:
+        """A speculation wrote only spares: the state is the last step's."""
+        if self._spec is None:
+            super().abort_backward()
+            return
+        self._reset_backward()
+        self._drop_speculation({"speculated": True, "committed": False, "redone": False, "aborted": True})
+
+    def new_step(self) -> None:
+        """A speculative step that failed in step() is dropped: the state is the last committed step's."""
+        if self._spec is not None:
+            self._drop_speculation(None)
+            self._reset_backward()   # its units no longer wait for a step
+        super().new_step()
+
+    def abort(self) -> None:
+        self._spec = None
+        super().abort()
+
+    def pins_beside_backward(self) -> bool:
+        return self.speculating   # next_forward finishes its launched update before a backward
+
+    # ------------------------------------------------------------ commit or redo
+
+    def _finish_speculation(self, grad_scale: float) -> None:
+        """Wait for the speculation's updates, redo them with ``grad_scale`` if the step's multiplier is
+        not the one they used (or a try failed), then commit every unit's spares. Raises with nothing
+        committed: step() again redoes the whole step (zero_grad() drops it)."""
+        spec = self._spec
+        try:
+            if self.pipeline.running:
+                self.last_stats = self.pipeline.finish()
+            redo = spec.failed or grad_scale != spec.scale
+            if redo:
+                t0 = time.perf_counter()
+                self._begin(spec.hyper)
+                try:
+                    for unit in spec.units:
+                        for job in self.jobs(unit, grad_scale, spare=True):
+                            self.pipeline.submit(job)
+                except BaseException:
+                    self.pipeline.abort()
+                    raise
+                # the step's stats: the speculation's (its update start times say what ran in backward),
+                # with the redo's Adam and I/O waits added
+                first, redone = self.last_stats, self.pipeline.finish()
+                self.last_stats = {**first, **{k: first.get(k, 0.0) + redone[k] for k in
+                                               ("adam_s", "swap_in_wait_s", "swap_out_wait_s")}}
+                spec.redo_s, spec.redo_adam_s = time.perf_counter() - t0, redone["adam_s"]
+        except BaseException:
+            spec.failed = True
+            raise
+        self._commit(spec.units)
+        self._spec = None
+        self._unclipped = not redo
+        self._outcome = {"speculated": True, "committed": True, "redone": redo,
+                         "redo_s": spec.redo_s, "redo_adam_s": spec.redo_adam_s}
+
+    def _commit(self, units: list) -> None:
+        """The speculative update is final: spares swapped in, consumed gradients dropped, (stages 1-2)
+        new parameters all-gathered."""
+        classes = spare_classes()
+        for unit in units:
+            unit.shard.commit_spares(classes)
+            unit.updated, unit.chunks_updated = True, len(unit.shard.chunks())
+        self._drop_grads(units)
+        if self.policy.gather_after_step:
+            for unit in units:
+                self.gather_updated(unit, unit.shard.get(TensorClass.PARAM))
+        self._wait_gathers()
+
+    def _drop_grads(self, units: list) -> None:
+        """Gradients kept for a redo are dead once the step is decided (the next fold overwrites them)."""
+        for unit in units:
+            for c in range(len(unit.shard.chunks())):
+                for key in unit.shard.consumed_after_update(c):
+                    with contextlib.suppress(StoreError):   # a pinned copy: left to be overwritten unread
+                        self.store.discard(key, Tier.HOST)
+
+    def _drop_speculation(self, outcome: dict | None) -> None:
+        """Forget the step's speculation (nothing of it was committed): its updates are stopped."""
+        if self._spec is None:
+            return
+        units, self._spec = self._spec.units, None
+        self.pipeline.abort()
+        self._drop_grads(units)
+        self._outcome = outcome
+
+    def _step_stats(self, offload: dict) -> None:
+        outcome = self._outcome or {"speculated": False}
+        if self._unclipped is not None:
+            self.speculation.record(outcome["speculated"], self._unclipped)
+        super()._step_stats(offload)
+        # what the next step does: speculate when calm >= calm_needed
+        offload["speculation"] = {**outcome, **self.speculation.state()}
+        self._outcome, self._unclipped = None, None
+
+
+class _Speculation:
+    """One step's speculation: the multiplier and hyper-parameters its updates used, the units submitted,
+    whether a try failed, and a redo's times."""
+
+    def __init__(self, scale: float, hyper):
+        self.scale, self.hyper = scale, hyper
+        self.units: list = []
+        self.failed = False
+        self.redo_s = self.redo_adam_s = 0.0

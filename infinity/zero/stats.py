@@ -59,7 +59,7 @@ class StepAttribution:
         ``swap_out_wait_s``; empty: no update ran). The step's time inside the engine that is not a
         wait of its own thread was spent waiting for the pipeline: its final write-back wait is
         counted first (it always falls in the step), then Adam, then its swap-in waits; with
-        ``optimizer.overlap_backward`` part of the pipeline ran during backward, hidden behind it."""
+        ``optimizer.update_at`` part of the pipeline ran during backward, hidden behind it."""
         out = {}
         for phase in PHASES:
             wall = wall_s[phase]

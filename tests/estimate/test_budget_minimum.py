@@ -105,13 +105,13 @@ SPECULATIVE = [
 
 
 def _speculative(conf: dict) -> dict:
-    return {**conf, "optimizer": {"overlap_backward": True, "overlap_mode": "speculative"},
+    return {**conf, "optimizer": {"update_at": "speculative"},
             "schedule": {"clip_grad_norm": 1.0}}
 
 
 @pytest.mark.parametrize("stage,dtype,offload", SPECULATIVE)
 def test_a_speculative_update_trains_at_its_minimum_and_is_refused_below_it(tmp_path, stage, dtype, offload):
-    """overlap_mode speculative: host-homed states have a spare beside them, so the minimum is above the plain
+    """update_at speculative: host-homed states have a spare beside them, so the minimum is above the plain
     update's by their bytes; NVMe-homed ones need no more host room (the copy a job reads is handed to the
     spare's key), so it is the same. A committed and a redone speculative step run at exactly it, 4 KiB
     less is refused."""

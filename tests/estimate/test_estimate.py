@@ -179,9 +179,9 @@ def test_stored_formats_shrink_the_optimizer_state():
 def test_a_speculative_update_adds_a_spare_of_the_parameter_shard_and_optimizer_states(tmp_path):
     conf = {"zero": {"stage": 3}, "precision": {"param_dtype": "bf16", "reduce_dtype": "bf16"},
             "offload": {"optimizer": "nvme", "params": "nvme", "grads": "host"},
-            "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"overlap_backward": True}}
+            "tiers": {"nvme_path": str(tmp_path)}, "optimizer": {"update_at": "auto"}}
     plain = estimate_config(Config.from_dict(conf), 8000, 4)
-    conf["optimizer"]["overlap_mode"] = "speculative"
+    conf["optimizer"]["update_at"] = "speculative"
     spec = estimate_config(Config.from_dict(conf), 8000, 4)
     # per rank: 2000 elements; spares of the bf16 parameter (2 B) and of master + moments (12 B), on NVMe
     assert spec.memory.spare_bytes == 14 * 2000 and plain.memory.spare_bytes == 0

@@ -93,7 +93,7 @@ EQUIVALENT_YAML = {
     "zero3-nvme": """
 zero: {stage: 3}
 precision: {param_dtype: bf16}
-optimizer: {lr: 1.0e-3, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.01, overlap_backward: true}
+optimizer: {lr: 1.0e-3, betas: [0.9, 0.95], eps: 1.0e-8, weight_decay: 0.01, update_at: auto}
 offload: {optimizer: nvme, params: nvme, grads: nvme}
 tiers: {nvme_path: "@SWAP@"}
 prefetch: {bytes: 20000000, max_live_bytes: 2000000000}   # elements x 2 bytes (bf16)
@@ -103,7 +103,7 @@ schedule: {clip_grad_norm: 1.0, accum_steps: 1}
     "zero3-cpu": """
 zero: {stage: 3}
 precision: {param_dtype: fp16, loss_scale: dynamic, initial_loss_scale: 4096, loss_scale_window: 500}
-optimizer: {lr: 1.0e-3, betas: [0.8, 0.999], eps: 1.0e-8, weight_decay: 3.0e-7, overlap_backward: true}
+optimizer: {lr: 1.0e-3, betas: [0.8, 0.999], eps: 1.0e-8, weight_decay: 3.0e-7, update_at: auto}
 offload: {optimizer: host, params: host, grads: host}
 prefetch: {bytes: 2000000, max_live_bytes: 2000000000}
 schedule: {lr_schedule: linear, warmup_steps: 2, min_lr: 0.0, total_steps: 6, clip_grad_norm: 1.0}
@@ -111,14 +111,14 @@ schedule: {lr_schedule: linear, warmup_steps: 2, min_lr: 0.0, total_steps: 6, cl
     "trainer-zero2": """
 zero: {stage: 2}
 precision: {param_dtype: auto}
-optimizer: {overlap_backward: true}
+optimizer: {update_at: auto}
 offload: {optimizer: host, grads: host}
 schedule: {lr_schedule: constant}
 """,
     "trainer-zero3": """
 zero: {stage: 3}
 precision: {param_dtype: auto}
-optimizer: {overlap_backward: true}
+optimizer: {update_at: auto}
 offload: {optimizer: host, params: host, grads: host}
 prefetch: {max_live_bytes: 2000000000}
 schedule: {lr_schedule: constant}

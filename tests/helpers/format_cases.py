@@ -2,7 +2,7 @@
 
 A spec with an ``offload`` entry runs through :func:`offload_cases.train_case` (budgets, swap
 directory), one without through :func:`zero_cases.train_case`; ``spec["optimizer"]`` carries the
-stored formats (``master``, ``moments``) and ``overlap_backward``. Each result also carries the
+stored formats (``master``, ``moments``) and ``update_at``. Each result also carries the
 element count of this rank's unit shards, for byte accounting.
 """
 

@@ -66,7 +66,7 @@ def infinity_config(kind: str, swap_dir: str | None) -> dict:
                 "optimizer": {"threads": 1}}
     if kind == "nvme-overlap":   # the same, the update overlapping compute (clipping: the next forward)
         config = infinity_config("nvme", swap_dir)
-        return dict(config, optimizer=dict(config["optimizer"], overlap_backward=True))
+        return dict(config, optimizer=dict(config["optimizer"], update_at="auto"))
     raise ValueError(kind)
 
 

@@ -1,10 +1,10 @@
 """A process whose launched (next_forward) update is SIGKILLed half-way (see tests/zero/test_overlap_recipes.py).
 
 ``python overlap_kill_script.py MODE DIR``: MODE ``kill`` trains steps 0-1 (checkpoint after step 1) with
-``overlap_backward`` and clipping, then dies (SIGKILL, no cleanup) inside step 2's launched update, after one
+``update_at`` auto and clipping, then dies (SIGKILL, no cleanup) inside step 2's launched update, after one
 unit's Adam ran; ``resume`` loads DIR's checkpoint in a new process and trains steps 2-3; ``straight`` trains
 steps 0-3 without overlap. Both of the last two save their parameters to DIR/MODE.pt. A third argument
-sets ``optimizer.overlap_mode`` (default auto: next_forward); with ``speculative`` every step speculates, so
+sets ``optimizer.update_at`` (default auto: next_forward); with ``speculative`` every step speculates, so
 ``kill`` dies inside step 2's speculative update, during its backward.
 """
 
@@ -26,19 +26,18 @@ from zero_cases import global_batch  # noqa: E402
 CLIP = 2.0
 
 
-def main(mode: str, root: str, overlap_mode: str = "auto") -> None:
+def main(mode: str, root: str, update_at: str = "auto") -> None:
     spec = dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host"), lr=1e-2,
                 host_bytes=(192 + 124 + 64) * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024,
                 tmp=os.path.join(root, f"swap-{mode}"))
     cfg = offload_cases.offload_config(spec, 0, 1)
-    cfg["optimizer"]["overlap_backward"] = mode != "straight"
-    cfg["optimizer"]["overlap_mode"] = overlap_mode
-    if overlap_mode == "speculative":
+    cfg["optimizer"]["update_at"] = update_at if mode != "straight" else "step"
+    if update_at == "speculative":
         cfg["tiers"]["host_bytes"] = 640 * 1024   # the spares' working set: two copies of each state per job
     cfg["schedule"] = {"clip_grad_norm": CLIP}
     model, opt = infinity.initialize(offload_cases.build("gpt", 0), cfg)
     engine = infinity.engine_of(model)
-    if engine.update.speculation is not None:   # speculate on every step, clipped or not
+    if engine.update.uses_spares:   # speculate on every step, clipped or not
         engine.update.speculation.speculate = lambda: True
     first = 0
     if mode == "resume":

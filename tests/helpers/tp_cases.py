@@ -60,7 +60,7 @@ def tp_config(spec: dict) -> dict:
         cfg["tiers"] = {"nvme_path": spec["nvme"]}
     if spec.get("host"):
         cfg["offload"] = {"optimizer": "host"}
-        cfg["optimizer"]["overlap_backward"] = bool(spec.get("overlap"))
+        cfg["optimizer"]["update_at"] = "auto" if spec.get("overlap") else "step"
     return cfg
 
 

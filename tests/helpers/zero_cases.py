@@ -224,7 +224,7 @@ def config_for(spec: dict) -> dict:
                  "bucket_bytes": spec.get("bucket_bytes", 16 * 1024),
                  "activation_checkpointing": spec.get("checkpointing", False)},
         "precision": {"param_dtype": spec.get("dtype", "fp32"), "reduce_dtype": spec.get("reduce", "fp32")},
-        # spec["optimizer"]: further optimizer keys (stored formats, overlap_backward)
+        # spec["optimizer"]: further optimizer keys (stored formats, update_at)
         "optimizer": {"lr": spec["lr"], "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                       **spec.get("optimizer", {})},
     }

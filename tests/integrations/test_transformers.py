@@ -175,18 +175,18 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path):
         cases._close(trainer)
 
 
-def test_overlap_mode_backward_refuses_clipping(tmp_path):
-    """``optimizer.overlap_mode: backward`` updates during backward: ``max_grad_norm`` > 0 is refused,
+def test_update_at_backward_refuses_clipping(tmp_path):
+    """``optimizer.update_at: backward`` updates during backward: ``max_grad_norm`` > 0 is refused,
     naming the option (``auto`` would update during the next forward instead)."""
     config = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme"}, "tiers": {"nvme_path": str(tmp_path / "s")},
-              "optimizer": {"overlap_backward": True, "overlap_mode": "backward"}}
+              "optimizer": {"update_at": "backward"}}
     assert "max_grad_norm=0.5" in cases.refused(str(tmp_path), {}, None, config)
     assert "gradient_accumulation_steps" in cases.refused(
         str(tmp_path), {"max_grad_norm": 0.0}, None, dict(config, schedule={"accum_steps": 2}))
 
 
 def test_overlapped_update_with_clipping_and_accumulation_is_bitwise_the_plain_one(tmp_path):
-    """NVMe run with ``overlap_backward`` (the Trainer clips every step and accumulates 2 micro-batches:
+    """NVMe run with ``update_at`` auto (the Trainer clips every step and accumulates 2 micro-batches:
     the update runs during the next forward) against the same run without: losses, gradient norms and
     the trained model's logits bitwise equal."""
     runs = {kind: cases.train_and_check(kind, str(tmp_path / kind), swap_dir=str(tmp_path / f"swap-{kind}"),

@@ -100,7 +100,7 @@ def test_hf_gpt2_llama_bf16_host_fp16(worlds):
     """tp2 x dp2: HF GPT-2 (Conv1D) at stages 1 and 3 and Llama at stage 3, fp32 tight; the GPT with bf16
     compute (bf16 activation all-reduces) at stage 3 against the fp32 reference, loose as in
     test_zero_equivalence; the GPT with the optimizer on host at stage 2, and at stage 3 with
-    optimizer.overlap_backward; fp16 overflow skips agree."""
+    optimizer.update_at auto; fp16 overflow skips agree."""
     pytest.importorskip("transformers")
     from zero_cases import BF16_TOL
     specs = [dict(BASE, model="hf_gpt2", stage=s, tp=2) for s in (1, 3)] + [dict(BASE, model="hf_llama", stage=3, tp=2)]

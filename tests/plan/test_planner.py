@@ -254,13 +254,13 @@ def test_a_stored_format_is_priced_at_its_profiled_adam_rate_and_moves_fewer_byt
 
 
 def test_the_update_during_the_next_forward_hides_behind_forward_and_waits_there(tmp_path):
-    """Clipping makes overlap_backward's update run in the next forward (overlap_mode auto): the model
+    """Clipping makes an overlapped update run in the next forward (update_at auto): the model
     charges its Adam to forward (a CPU device: the cores are shared) and leaves the step phase without it;
     the backward mode charges backward."""
-    base = dict(overlap_backward=True)
+    base = dict(update_at="auto")
     backward = _predict(tmp_path, _bf16_nvme(tmp_path, **base), rates())
     clipped = _bf16_nvme(tmp_path, **base).replace(schedule={"clip_grad_norm": 1.0})
-    assert clipped.update_overlap() == "next_forward"
+    assert clipped.update_schedule().at == "next_forward"
     nxt = _predict(tmp_path, clipped, rates())
     plain = _predict(tmp_path, _bf16_nvme(tmp_path).replace(schedule={"clip_grad_norm": 1.0}), rates())
     adam = plain.phases["step"]["adam_s"]
@@ -304,30 +304,33 @@ def test_new_gradient_blocks_above_the_mmap_threshold_are_priced_at_the_fresh_me
         unattributed(high, slow))   # auto's 512 MiB keeps every block of this model
 
 
-def test_the_planner_chooses_where_the_update_overlaps_and_follows_clipping(tmp_path):
-    """Overlap in backward and in the next forward are both candidates; the chosen one predicts no slower than
-    the same knobs in the other mode. With clipping the config refuses backward, so every overlapped
-    candidate runs in the next forward; speculative is planned only when fixed."""
+def test_the_planner_chooses_where_the_update_overlaps_and_follows_clipping(tmp_path, monkeypatch):
+    """Among overlapped updates (the step-time one left out of the search), in backward and in the next
+    forward are both candidates; the chosen one predicts no slower than the same knobs in the other mode.
+    With clipping the config refuses backward, so every overlapped candidate runs in the next forward;
+    speculative is planned only when fixed."""
+    from infinity.plan import planner
+    monkeypatch.setitem(planner.DIMENSIONS, "optimizer.update_at", ("backward", "next_forward"))
     req = _request(tmp_path, param_dtype="bf16", host_bytes=8 << 20, device_bytes=3 << 20,
-                   fixed={"optimizer.overlap_backward": True, "offload.optimizer": "nvme"})
+                   fixed={"offload.optimizer": "nvme"})
     slow_disk = rates(read_gbps=0.05, write_gbps=0.05)
     plan = make_plan(req, slow_disk, compute(2))
-    mode = plan.chosen.config.optimizer.overlap_mode
-    assert mode in ("backward", "next_forward") and plan.chosen.config.update_overlap() == mode
+    mode = plan.chosen.config.optimizer.update_at
+    assert mode in ("backward", "next_forward") and plan.chosen.config.update_schedule().at == mode
     other = {"backward": "next_forward", "next_forward": "backward"}[mode]
-    pinned = {**plan.chosen.knobs, "optimizer.overlap_mode": other}
+    pinned = {**plan.chosen.knobs, "optimizer.update_at": other}
     rival = make_plan(PlanRequest(**{**req.__dict__, "fixed": pinned}), slow_disk, compute(2))
-    assert rival.chosen.config.optimizer.overlap_mode == other
+    assert rival.chosen.config.optimizer.update_at == other
     assert plan.chosen.step_s <= rival.chosen.step_s * (1 + TIE)
     clipped = make_plan(PlanRequest(**{**req.__dict__, "base": {"schedule": {"clip_grad_norm": 1.0}}}),
                         slow_disk, compute(2))
     everything = [clipped.chosen, *clipped.alternatives]
-    assert all(c.config.optimizer.overlap_mode == "next_forward" for c in everything)
+    assert all(c.config.optimizer.update_at == "next_forward" for c in everything)
     assert "overlap in next_forward" in clipped.chosen.label()
     spec = make_plan(PlanRequest(**{**req.__dict__, "base": {"schedule": {"clip_grad_norm": 1.0}},
-                                    "fixed": {**req.fixed, "optimizer.overlap_mode": "speculative"}}),
+                                    "fixed": {**req.fixed, "optimizer.update_at": "speculative"}}),
                      slow_disk, compute(2))
-    assert spec.chosen.config.update_overlap() == "speculative"
+    assert spec.chosen.config.update_schedule().at == "speculative"
 
 
 def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_moments_unasked(tmp_path):
@@ -349,7 +352,7 @@ def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_momen
 
 
 def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
-    """overlap_mode speculative with clipping: predicted as the unclipped update during backward (what a
+    """update_at speculative with clipping: predicted as the unclipped update during backward (what a
     step that commits does), with a note on the redo; its kept gradients add one write of every gradient in
     backward exactly where Placement.writes_kept_grads sends them home, and nothing where the host holds them."""
     from infinity.plan.cost import tier_traffic
@@ -357,8 +360,8 @@ def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
     from infinity.store import Tier
     from infinity.zero.placement import Placement
     from infinity.zero.units import TensorClass
-    unclipped = _bf16_nvme(tmp_path, overlap_backward=True)
-    spec = _bf16_nvme(tmp_path, overlap_backward=True, overlap_mode="speculative").replace(
+    unclipped = _bf16_nvme(tmp_path, update_at="auto")
+    spec = _bf16_nvme(tmp_path, update_at="speculative").replace(
         schedule={"clip_grad_norm": 1.0})
     layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     placement = Placement.from_config(spec)
@@ -390,7 +393,7 @@ def test_a_cpu_devices_compute_is_slowed_beside_the_disk_and_the_update_shares_o
     from infinity.plan.cost import tier_traffic
     from infinity.plan.planner import model_layout
     from infinity.store import Tier
-    cfg = _bf16_nvme(tmp_path, overlap_backward=True).replace(tiers={"device_bytes": "256KiB"})
+    cfg = _bf16_nvme(tmp_path, update_at="auto").replace(tiers={"device_bytes": "256KiB"})
     slow_disk = dict(read_gbps=1e-3, write_gbps=1.0)   # reads the slow side: backward's own reads count
     alone, slowed = _predict(tmp_path, cfg, rates(**slow_disk)), _predict(tmp_path, cfg, rates(slowdown=1.5, **slow_disk))
     assert any("no contention section" in n for n in alone.notes)
@@ -430,7 +433,7 @@ def test_the_root_units_update_shows_after_an_overlapped_backward(tmp_path):
     from infinity.plan.cost import predict, tier_traffic
     from infinity.plan.planner import model_layout
     from infinity.store import Tier
-    cfg = _bf16_nvme(tmp_path, overlap_backward=True)
+    cfg = _bf16_nvme(tmp_path, update_at="auto")
     slow = compute(2, block_s=1e3, root_s=1e3)   # compute far longer than the whole step's disk time
     layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
     budgets = {Tier.HOST: cfg.tiers.host_bytes, Tier.DEVICE: cfg.tiers.device_bytes}
@@ -448,7 +451,7 @@ def test_predictions_within_the_tie_go_to_the_candidate_moving_fewer_disk_bytes(
     TIE of the fastest the remainder wins on disk bytes, and the faster-predicted fp32 master is listed
     saying so; outside TIE (a much slower remainder Adam) the fastest wins as before."""
     fixed = {"zero.stage": 3, "offload.params": "nvme", "offload.grads": "nvme", "offload.optimizer": "nvme",
-             "optimizer.overlap_backward": False, "zero.activation_checkpointing": False,
+             "optimizer.update_at": "step", "zero.activation_checkpointing": False,
              "offload.chunk_bytes": 64 * 2**20, "prefetch.bytes": 0, "precision.reduce_dtype": "bf16"}
     req = _request(tmp_path, param_dtype="bf16", host_bytes=1536 << 10, device_bytes=8 << 20, fixed=fixed)
     disk = dict(read_gbps=50.0, write_gbps=50.0)

@@ -226,14 +226,14 @@ def test_bad_arguments_one_line_exit_2(argv, message, capsys, tmp_path, monkeypa
 
 
 def test_overlapped_update_with_accumulation_and_clipping_is_the_plain_one(capsys, tmp_path):
-    """The default config with ``optimizer.overlap_backward``: with its clipping at 1.0 the update runs
+    """The default config with ``optimizer.update_at`` auto: with its clipping at 1.0 the update runs
     during the next forward, with ``--clip-grad-norm 0`` during the last backward; with ``--accum 2``
     either way it trains to the plain step's losses, bitwise, and the grad norms match."""
     def run(name: str, overlap: bool, *extra) -> list:
         d = tmp_path / name
         d.mkdir()
         cfg = default_config(d / "swap").replace(precision={"param_dtype": "fp32"},
-                                                 optimizer={"overlap_backward": overlap})
+                                                 optimizer={"update_at": "auto" if overlap else "step"})
         (d / "c.json").write_text(json.dumps(cfg.to_dict()))
         rc = main(["train", *TINY, "--steps", "4", "--warmup-steps", "1", "--accum", "2", "--no-save", "--metrics", str(d / "m.jsonl"),
                    "--config", str(d / "c.json"), *extra])

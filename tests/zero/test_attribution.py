@@ -22,7 +22,7 @@ SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=512, block_size=32)
 
 def _config(path, offload: bool, overlap: bool = False) -> dict:
     cfg = {"zero": {"stage": 3}, "precision": {"param_dtype": "fp32", "reduce_dtype": "fp32"},
-           "optimizer": {"threads": 1, "overlap_backward": overlap}}
+           "optimizer": {"threads": 1, "update_at": "auto" if overlap else "step"}}
     if offload:
         cfg["offload"] = {"params": "nvme", "grads": "host", "optimizer": "nvme", "host_resident_bytes": 0}
         cfg["tiers"] = {"host_bytes": "1280KiB", "device_bytes": "1MiB", "nvme_path": str(path)}

@@ -35,7 +35,7 @@ def _config(path, stage=3, dtype="fp32", offload=None, chunk_bytes=None, host="6
         off["chunk_bytes"] = chunk_bytes
     return {"zero": {"stage": stage}, "precision": {"param_dtype": dtype}, "offload": off,
             "tiers": {"host_bytes": host, "device_bytes": device, "nvme_path": str(path)},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "overlap_backward": overlap},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "update_at": "auto" if overlap else "step"},
             "prefetch": {"bytes": 0}}
 
 

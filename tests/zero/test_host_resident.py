@@ -37,7 +37,7 @@ def _config(path, resident, host="2MiB", overlap=True):
             "offload": {"params": "nvme", "grads": "nvme", "optimizer": "nvme", "chunk_bytes": CHUNK,
                         "host_resident_bytes": resident},
             "tiers": {"host_bytes": host, "device_bytes": "1MiB", "nvme_path": str(path)},
-            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "overlap_backward": overlap},
+            "optimizer": {"lr": 1e-2, "weight_decay": 0.1, "threads": 1, "update_at": "auto" if overlap else "step"},
             "prefetch": {"bytes": 0}}
 
 

@@ -1,4 +1,4 @@
-"""optimizer.overlap_backward: each unit's update runs during backward, with the same results.
+"""optimizer.update_at backward / next_forward: each unit's update runs during backward, with the same results.
 
 Overlap on vs off, same world, same data: losses and parameters bitwise equal, for stage 3
 (params + optimizer on NVMe, grads on host; everything on NVMe) and stage 2 (optimizer on NVMe),
@@ -75,7 +75,7 @@ def _rank_world():
 def _init(spec: dict, model):
     rank, world = _rank_world()
     cfg = offload_cases.offload_config(spec, rank, world)
-    cfg["optimizer"]["overlap_backward"] = spec["overlap"]
+    cfg["optimizer"]["update_at"] = "auto" if spec["overlap"] else "step"
     model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
     return model, opt, infinity.engine_of(model)
 
@@ -260,7 +260,7 @@ def test_second_backward_is_refused_and_the_step_still_applies_the_first(worlds,
     base = dict(BASE, **case[1], scheduler=False)
     ref = worlds(2).run(misuse, dict(base, overlap=False, kind="once", tmp=str(tmp_path / "ref")))[0]
     got = worlds(2).run(misuse, dict(base, overlap=True, kind="second_backward", tmp=str(tmp_path / "twice")))[0]
-    assert got["error"].startswith("backward() on rank 0 before optimizer.step(): optimizer.overlap_backward "
+    assert got["error"].startswith("backward() on rank 0 before optimizer.step(): optimizer.update_at backward "
                                    "applies the update in the step's last backward (schedule.accum_steps "
                                    "backwards per step, or the first outside engine.no_sync())"), got["error"]
     assert ref["error"] is None
@@ -278,25 +278,24 @@ def test_stage3_forward_before_step_is_refused(worlds, tmp_path):
 def test_clip_grad_norm_is_refused_in_backward_mode(worlds, tmp_path):
     spec = dict(BASE, **PLACEMENTS[0][1], overlap=True, kind="clip", tmp=str(tmp_path / "clip"))
     got = worlds(1).run(misuse, spec)[0]
-    assert "clip_grad_norm_() on rank 0 with optimizer.overlap_mode backward" in got["error"], got["error"]
+    assert "clip_grad_norm_() on rank 0 with optimizer.update_at backward" in got["error"], got["error"]
     assert "clipping needs every gradient before any update" in got["error"]
 
 
 @pytest.mark.parametrize("change,needs", [
     (dict(zero={"stage": 1}), "needs zero.stage >= 2"),
     (dict(offload={"optimizer": "none"}), "needs offload.optimizer host or nvme"),
-    (dict(precision={"param_dtype": "fp16"}, optimizer={"overlap_mode": "backward"}),
-     "overlap_mode backward is not for precision.param_dtype fp16"),
+    (dict(precision={"param_dtype": "fp16"}), "not for precision.param_dtype fp16"),
 ])
 def test_config_refusals_at_initialize(tmp_path, change, needs):
     cfg = {"zero": {"stage": 2}, "offload": {"optimizer": "host"},
-           "optimizer": {"overlap_backward": True}}
+           "optimizer": {"update_at": "backward"}}
     for section, keys in change.items():
         cfg[section] = dict(cfg.get(section, {}), **keys)
     model = offload_cases.build("gpt")
-    with pytest.raises(ConfigError, match=f"^optimizer.overlap_backward: {needs}"):
+    with pytest.raises(ConfigError, match=f"^optimizer.update_at backward: {needs}"):
         infinity.initialize(model, cfg)
-    infinity.Config.from_dict(dict(cfg, optimizer={"overlap_backward": False}))   # fine without it
+    infinity.Config.from_dict(dict(cfg, optimizer={"update_at": "step"}))   # fine without it
 
 
 # ---------------------------------------------------------------- the pipeline's streaming form
@@ -388,7 +387,7 @@ def test_abort_stops_the_threads_and_unpins(tmp_path):
 
 def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_path):
     """Stage 3, fp32, everything on NVMe, a host budget that holds a step's gradients: a step writes
-    exactly the master (= parameter) and both moments home, 12 B/element, with overlap_backward; the
+    exactly the master (= parameter) and both moments home, 12 B/element, with the update overlapped; the
     gradients (4 B/element more) are consumed from host memory and dropped unwritten. Without
     overlap they wait for the step and are written home at the fold."""
     from infinity.models import GPT, GPTConfig
@@ -399,7 +398,7 @@ def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_pa
         cfg = {"zero": {"stage": 3}, "offload": {"optimizer": "nvme", "params": "nvme", "grads": "nvme",
                                                  "host_resident_bytes": 0},
                "tiers": {"host_bytes": "64MiB", "device_bytes": "64MiB", "nvme_path": str(tmp_path / str(overlap))},
-               "optimizer": {"threads": 1, "overlap_backward": overlap}, "prefetch": {"bytes": 0}}
+               "optimizer": {"threads": 1, "update_at": "auto" if overlap else "step"}, "prefetch": {"bytes": 0}}
         model, opt = infinity.initialize(model, cfg)
         engine = infinity.engine_of(model)
         try:

@@ -1,7 +1,7 @@
 """The overlapped update with the recipes people run: gradient accumulation, clipping and fp16.
 
 Each case trains the GPT test model (tied weights, two param groups, a LambdaLR schedule) with
-``optimizer.overlap_backward`` on and off in the same world, same data: losses, the clip norms,
+``optimizer.update_at`` overlapped and at step in the same world, same data: losses, the clip norms,
 skipped steps and parameters bitwise equal (the arithmetic is the same, only its time differs).
 
 - backward mode with accumulation 4, the boundary from ``schedule.accum_steps`` or from
@@ -57,7 +57,7 @@ def recipe(spec: dict) -> dict:
     parameters."""
     rank, world = _rank_world()
     cfg = offload_cases.offload_config(spec, rank, world)
-    cfg["optimizer"].update(overlap_backward=spec["overlap"], overlap_mode=spec.get("mode", "auto"),
+    cfg["optimizer"].update(update_at=spec.get("mode", "auto") if spec["overlap"] else "step",
                             master=spec.get("master", "fp32"), moments=spec.get("moments", "fp32"))
     cfg["schedule"] = {"clip_grad_norm": spec.get("clip"), "accum_steps": spec.get("accum_steps", 1)}
     if spec.get("dtype") == "fp16":
@@ -65,7 +65,7 @@ def recipe(spec: dict) -> dict:
     model = offload_cases.build(spec["model"], spec.get("seed", 0))
     model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
     engine = infinity.engine_of(model)
-    if spec.get("always_speculate") and engine.update.speculation is not None:   # no fallback: every step speculates
+    if spec.get("always_speculate") and engine.update.uses_spares:   # no fallback: every step speculates
         engine.update.speculation.speculate = lambda: True
     sched = zero_cases.make_scheduler(opt, spec)
     accum = spec["accum"]
@@ -151,7 +151,7 @@ def test_recipes_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
         if case.get("dtype") == "fp16":
             assert 0 < off["skipped"] < BASE["steps"], f"{what}: {off['skipped']} steps skipped"
         for s in on["stats"]:
-            assert s["overlapped"] and s["overlap_mode"] == case["expect"], (what, s)
+            assert s["overlapped"] and s["update_at"] == case["expect"], (what, s)
             if case["expect"] == "backward":
                 # GPT: 2 blocks + root; block 1 is submitted inside the last backward
                 assert s["submitted_in_backward"] == on["units"] - 2, (what, s)
@@ -197,7 +197,7 @@ SPECULATIVE = [
 
 @pytest.mark.parametrize("world_size", (1, 2))
 def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds, tmp_path, world_size):
-    """overlap_mode speculative: each speculating step updates during its last backward (units submitted in
+    """update_at speculative: each speculating step updates during its last backward (units submitted in
     it), and step() commits it when the multiplier is unclipped (nothing redone), redoes it when clipped,
     drops it on an fp16 overflow; the policy falls back to next_forward after a redo. Every result bitwise
     the plain step's, with the kept gradients held in host memory or, where they outweigh it (all on NVMe),
@@ -213,7 +213,7 @@ def test_speculative_steps_commit_or_redo_bitwise_equal_to_the_plain_step(worlds
         assert on["losses"][0] != on["losses"][-1], f"{what}: training did not move"
         assert on["writes_kept_grads"] == case.get("writes_kept_grads", False), what
         outcomes = [s["speculation"] for s in on["stats"]]
-        assert all(s["overlap_mode"] == "speculative" for s in on["stats"]), what
+        assert all(s["update_at"] == "speculative" for s in on["stats"]), what
         if case.get("dtype") == "fp16":
             skipped = [o.get("skipped", False) for o in outcomes]
             assert 0 < on["skipped"] == sum(skipped) < BASE["steps"], (what, outcomes)
@@ -281,14 +281,14 @@ def test_accumulated_gradients_that_fill_the_host_tier_are_spilled_before_any_up
     off, on = worlds(world_size).run(many, _pairs(tmp_path, [case]))[0]
     _assert_same(off, on, f"world {world_size}")
     assert on["stats"][0]["spills"] > 0, on["stats"][0]   # the first step's folds spilled, nothing had run
-    assert all(s["overlap_mode"] == "backward" and s["submitted_in_backward"] > 0 for s in on["stats"]), on["stats"]
+    assert all(s["update_at"] == "backward" and s["submitted_in_backward"] > 0 for s in on["stats"]), on["stats"]
 
 
 # ---------------------------------------------------------------- next_forward: when the update is waited for
 
 def _start(spec: dict, overlap: bool = True):
     cfg = offload_cases.offload_config(spec, *_rank_world())
-    cfg["optimizer"].update(overlap_backward=overlap, overlap_mode=spec.get("mode", "auto"))
+    cfg["optimizer"].update(update_at=spec.get("mode", "auto") if overlap else "step")
     cfg["schedule"] = {"clip_grad_norm": spec.get("clip", CLIP)}
     model = offload_cases.build("gpt", 0)
     model, opt = infinity.initialize(model, cfg, params=param_groups(model, spec))
@@ -323,12 +323,12 @@ def test_the_next_forward_waits_for_each_unit_just_before_it_runs(tmp_path, plac
         assert engine.update.pending
         blocks = [u for u in engine.units if not u.is_root]
         root = next(u for u in engine.units if u.is_root)
-        assert all(engine.update.overlap.waiting(u.index) for u in engine.units)
+        assert all(engine.update.updating(u.index) for u in engine.units)
         for unit in blocks:   # registered after the engine's hook: runs once it has waited
             unit.module.register_forward_pre_hook(
                 lambda module, args, unit=unit: seen.append(
-                    (unit.index, engine.update.overlap.waiting(root.index),
-                     [engine.update.overlap.waiting(u.index) for u in blocks])))
+                    (unit.index, engine.update.updating(root.index),
+                     [engine.update.updating(u.index) for u in blocks])))
         launched = engine.stats.last_step["offload"]
         assert launched["update_deferred"] and "update_wait_s" not in launched
         line = engine_metrics(engine, 1.0)   # the --metrics line of the launched step: its Adam time is unknown
@@ -467,7 +467,7 @@ def speculative_faulted(spec: dict) -> dict:
     code raises in the middle of the backward, after one unit's update has run). Then ``after`` "retry" calls
     step() again, or "drop" zero_grads (nothing of the step is kept) and runs step 2 again."""
     model, opt, engine = _start(spec, overlap=spec["overlap"])
-    if engine.update.speculation is not None:
+    if engine.update.uses_spares:
         engine.update.speculation.speculate = lambda: True
     out: dict = {"error": None}
     try:

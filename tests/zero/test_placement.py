@@ -71,16 +71,16 @@ def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
 
 
 def test_a_speculations_kept_gradients_are_written_home_only_where_the_host_cannot_hold_them():
-    """overlap_mode speculative with NVMe-homed gradients: the gradients a speculation keeps for a redo are
+    """update_at speculative with NVMe-homed gradients: the gradients a speculation keeps for a redo are
     written home at once exactly when all of them outweigh the host budget less its homes, its resident
-    chunks and one optimizer job's chunk; never without spares (overlap_mode backward or next_forward) or
+    chunks and one optimizer job's chunk; never without spares (update_at backward or next_forward) or
     with gradients homed in host memory."""
     from types import SimpleNamespace
 
     def placement(mode="speculative", grads="nvme", overlap=True):
         return Placement.from_config(Config.from_dict({
             "zero": {"stage": 3}, "precision": {"param_dtype": "bf16"},
-            "optimizer": {"overlap_backward": overlap, "overlap_mode": mode},
+            "optimizer": {"update_at": mode if overlap else "step"},
             "offload": {"optimizer": "nvme", "params": "nvme", "grads": grads, "chunk_bytes": 4096 * 64},
             "tiers": {"nvme_path": "/tmp/unused"}}))
 

@@ -2,7 +2,7 @@
 
 ``master: remainder`` keeps the fp32 master as an int16 remainder beside the bf16 parameter: a run
 with it is bitwise the fp32-master run (losses and every parameter), at world sizes 1 and 2, stages
-0-3, optimizer in memory, on host and on NVMe, with and without ``overlap_backward``. ``moments:
+0-3, optimizer in memory, on host and on NVMe, with and without an overlapped update (``update_at``). ``moments:
 bf16`` and ``int8`` train close to fp32 moments. The disk bytes a step moves are the placement's
 accounting exactly, in each format.
 """
@@ -47,7 +47,7 @@ def _specs(tmp_path, master: str, moments: str = "fp32", only=None) -> list:
         if only is not None and name not in only:
             continue
         case = dict(case)
-        optimizer = {"master": master, "moments": moments, "overlap_backward": case.pop("overlap", False)}
+        optimizer = {"master": master, "moments": moments, "update_at": "auto" if case.pop("overlap", False) else "step"}
         specs.append(dict(BASE, **case, optimizer=optimizer, tmp=str(tmp_path / f"{name}-{master}-{moments}")))
     return specs
 
@@ -91,7 +91,7 @@ def test_disk_bytes_per_step_are_the_accounting(runs, world_size):
             acc = got["accounting"]
             on_nvme = {c: n for c, n in acc["itemsizes"].items() if acc["homes"][c] == "nvme"}
             moved = got["stats"][-1]["offload"]["moved_bytes"]
-            # a consumed gradient is dropped unwritten (overlap_backward); the rest are written home
+            # a consumed gradient is dropped unwritten (update_at auto); the rest are written home
             written = sum(n for c, n in on_nvme.items() if c != "grad") * acc["shard_numel"]
             states = sum(on_nvme[c] for c in ("master", "exp_avg", "exp_avg_sq")) * acc["shard_numel"]
             where = f"case {name}, world size {world_size}, master {acc['itemsizes']['master']} B"

@@ -13,20 +13,21 @@ from infinity.trace import Tracer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
-from infinity.zero.update import ShardUpdate
+from infinity.zero.schedules import make_schedule
+from infinity.zero.update import UpdateSchedule
 from unit_parts import Blocks, make_units
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def _update(units, groups, overlap: bool = False) -> ShardUpdate:
+def _update(units, groups, overlap: bool = False) -> UpdateSchedule:
     # overlap is config-valid only with the optimizer offloaded; the update itself runs in-memory jobs too
-    sections = {"optimizer": {"threads": 1, "overlap_backward": overlap}, "zero": {"stage": 2}}
+    sections = {"optimizer": {"threads": 1, "update_at": "auto" if overlap else "step"}, "zero": {"stage": 2}}
     if overlap:
         sections["offload"] = {"optimizer": "host"}
     config = Config.from_dict(sections)
-    return ShardUpdate(units, None, LocalCollectives(), StagePolicy.of(2), 0, 0, GroupHyper(groups), Tracer(0),
-                       config.optimizer, config.update_overlap())
+    return make_schedule(config.update_schedule().at, units, None, LocalCollectives(), StagePolicy.of(2), 0, 0,
+                         GroupHyper(groups), Tracer(0), config.optimizer)
 
 
 def _with_grads(units, seed: int) -> dict:
@@ -53,7 +54,7 @@ def test_two_steps_equal_torch_adamw(grad_scale):
     try:
         for step in range(2):
             grads = _with_grads(units, step)
-            update.run(grad_scale)
+            update.step(grad_scale)
             assert all(u.updated for u in units)
             update.hyper.count_step()
             for u in units:
@@ -74,9 +75,9 @@ def test_a_rerun_after_every_unit_is_updated_updates_nothing_twice():
     update = _update(units, [dict(params=list(model.parameters()), **HYPER)])
     try:
         _with_grads(units, 0)
-        update.run(1.0)
+        update.step(1.0)
         after = {n: p.detach().clone() for n, p in model.named_parameters()}
-        update.run(1.0)   # the same step again (as after a failure): units marked updated are skipped
+        update.step(1.0)   # the same step again (as after a failure): units marked updated are skipped
         assert all(torch.equal(p, after[n]) for n, p in model.named_parameters())
     finally:
         update.close()
@@ -102,7 +103,7 @@ def test_overlapped_units_are_submitted_as_they_become_final_and_the_root_after_
         assert update.updating(root.index)
         with pytest.raises(RuntimeError, match="the step's last backward"):
             update.begin_backward(sync=True)
-        update.run(1.0)
+        update.step(1.0)
         assert all(u.updated for u in units)
     finally:
         update.close()

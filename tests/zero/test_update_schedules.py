@@ -1,0 +1,303 @@
+"""Each ``optimizer.update_at`` schedule on its own at world size 1, driven by the events the engine sends
+(no engine): the result is bitwise the plain step's in every schedule, and each one's own rules hold —
+backward's submission order and refusals, next_forward's per-unit waits, speculative's commit, redo,
+skip and fallback, with the state untouched until a commit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinity.comm.collectives import LocalCollectives
+from infinity.config import Config, IOConfig, TiersConfig
+from infinity.store import TensorStore, Tier
+from infinity.trace import Tracer
+from infinity.zero.hyper import GroupHyper
+from infinity.zero.placement import Placement
+from infinity.zero.schedules import SCHEDULES, make_schedule
+from infinity.zero.speculation import SpeculativeUpdate, spare_classes
+from infinity.zero.stage import StagePolicy
+from infinity.zero.store_shard import store_shards
+from infinity.zero.units import TensorClass
+from unit_parts import Blocks, make_units
+
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+HOST = 16 << 20
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = TensorStore(TiersConfig(device_bytes=1 << 20, host_bytes=HOST, nvme_path=str(tmp_path)),
+                    IOConfig(block_bytes=16384, queue_depth=4, threads=2))
+    yield s
+    s.close()
+
+
+def _stored_units(model, store, spares: bool) -> list:
+    """The model's units with their optimizer states and gradients in the store's host tier (stage 2, as the
+    engine places them: the fp32 master a copy of the parameter shard), with spares for a speculation."""
+    units = make_units(model)
+    placement = Placement(params=None, grads=Tier.HOST, optimizer=Tier.HOST, chunk_bytes=1 << 20,
+                          defer_grad_writes=True, spares=spares)
+    new_shard = store_shards(store, placement, 2, 4, 4, units, {Tier.HOST: HOST, Tier.DEVICE: 1 << 20})
+    for unit in units:
+        shard = new_shard(unit)
+        shard.put(TensorClass.PARAM, unit.full_param)
+        shard.put(TensorClass.MASTER, unit.full_param.clone())
+        for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ, TensorClass.GRAD):
+            shard.put_zeros(cls, unit.shard_numel, torch.float32, "cpu")
+        if spares:
+            shard.add_spares(spare_classes())
+        unit.shard = shard
+    return units
+
+
+def _schedule(at: str, units, store, model):
+    cfg = Config.from_dict({"optimizer": {"threads": 1}}).optimizer
+    update = make_schedule(at, units, store, LocalCollectives(), StagePolicy.of(2), 0, 0,
+                           GroupHyper([dict(params=list(model.parameters()), **HYPER)]), Tracer(0), cfg)
+    update.mark_store()   # as the engine does once built: the first step's stats count from here
+    return update
+
+
+def _grads(units, seed: int) -> None:
+    """Each unit's gradient shard, as a backward's first fold writes it."""
+    g = torch.Generator().manual_seed(seed)
+    for u in units:
+        write = u.shard.fold_grad(torch.randn(u.padded_numel, generator=g), True)
+        if write is not None:
+            u.shard.store.wait(write)
+
+
+def _backward(update, units, grad_scale: float = 1.0) -> None:
+    """The events of one backward: blocks final last-first, the root at the end (as the engine sends them)."""
+    update.begin_backward(sync=True)
+    for u in reversed([u for u in units if not u.is_root]):
+        update.unit_final(u, grad_scale)
+    with update.flushing():
+        update.unit_final(next(u for u in units if u.is_root), grad_scale)
+    update.end_backward(grad_scale)
+
+
+def _end_step(update, units) -> None:
+    """What the engine does after a step: count it, clear the marks, take the step's stats."""
+    update.hyper.count_step()
+    for u in units:
+        u.clear_update()
+    last = {"live_peak_bytes": 0}
+    update.end_step(last, "none")
+    return last["offload"]
+
+
+def _params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _reference(store, grad_scales: list) -> list:
+    """The plain step (update_at step) for each multiplier in turn: the parameters after each step."""
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=False)
+    update = _schedule("step", units, store, model)
+    out = []
+    try:
+        for i, scale in enumerate(grad_scales):
+            _grads(units, i)
+            _backward(update, units, 1.0)
+            update.step(scale)
+            _end_step(update, units)
+            out.append(_params(model))
+    finally:
+        update.close()
+        for u in units:
+            u.shard.release()
+    return out
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("at", sorted(SCHEDULES))
+def test_every_schedule_is_the_plain_step_bitwise(store, at):
+    """Two steps through each schedule's events give the step schedule's parameters exactly; the schedule's
+    stats name it."""
+    want = _reference(store, [1.0, 1.0])
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=at == "speculative")
+    update = _schedule(at, units, store, model)
+    try:
+        for i in range(2):
+            _grads(units, i)
+            _backward(update, units)
+            update.step(1.0)
+            update.drain()   # next_forward: what the next forward would wait for, unit by unit
+            stats = _end_step(update, units)
+            assert _equal(_params(model), want[i]), (at, i)
+            assert stats["overlapped"] is (at != "step") and stats.get("update_at", "step") == at
+    finally:
+        update.close()
+
+
+def test_backward_submits_final_units_at_once_and_defers_the_root_and_the_flush(store):
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=False)
+    update = _schedule("backward", units, store, model)
+    blocks, root = [u for u in units if not u.is_root], next(u for u in units if u.is_root)
+    try:
+        _grads(units, 0)
+        update.begin_backward(sync=True)
+        for unit in (blocks[-1], blocks[1]):
+            update.unit_final(unit, 1.0)
+            assert update.updating(unit.index)
+        with update.flushing():
+            update.unit_final(blocks[0], 1.0)   # final only in the flush: after backward
+        update.unit_final(root, 1.0)
+        assert not update.updating(blocks[0].index) and not update.updating(root.index)
+        with pytest.raises(RuntimeError, match="while its update runs"):
+            update.check_gather(blocks[-1])
+        with pytest.raises(RuntimeError, match="clipping needs every gradient"):
+            update.check_clip()
+        update.end_backward(1.0)
+        assert update.updating(root.index) and update.updating(blocks[0].index)
+        update.step(1.0)
+        assert all(u.updated for u in units)
+    finally:
+        update.close()
+
+
+def test_backward_with_accumulation_updates_only_in_the_last_backward(store):
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=False)
+    cfg = Config.from_dict({"optimizer": {"threads": 1}}).optimizer
+    update = SCHEDULES["backward"](units, store, LocalCollectives(), StagePolicy.of(2), 0, 0,
+                                   GroupHyper([dict(params=list(model.parameters()), **HYPER)]), Tracer(0), cfg,
+                                   accum_steps=2)
+    update.mark_store()
+    try:
+        _grads(units, 0)
+        _backward(update, units)
+        assert not any(update.updating(u.index) for u in units)   # the first of two: folds only
+        _backward(update, units)
+        assert all(update.updating(u.index) for u in units)
+        update.step(1.0)
+    finally:
+        update.close()
+
+
+def test_a_backward_that_raises_after_updates_began_marks_the_step_partial(store):
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=False)
+    update = _schedule("backward", units, store, model)
+    try:
+        _grads(units, 0)
+        update.begin_backward(sync=True)
+        update.unit_final(units[0], 1.0)
+        update.abort_backward()
+        assert update.partial_update and not update.updating(units[0].index)
+        update.abort()   # a checkpoint load: whole again
+        assert not update.partial_update
+    finally:
+        update.close()
+
+
+def test_next_forward_launches_at_step_and_waits_per_unit_before_use(store):
+    """step() returns with every unit launched; before_use waits for that unit only (the others stay
+    launched); the last wait drains the rest; the result is the plain step's."""
+    want = _reference(store, [1.0])
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=False)
+    update = _schedule("next_forward", units, store, model)
+    order = sorted(units, key=lambda u: (not u.is_root, u.index))   # forward order: the root first
+    try:
+        _grads(units, 0)
+        _backward(update, units)
+        update.step(1.0)
+        assert update.pending and all(update.updating(u.index) for u in units)
+        stats = _end_step(update, units)
+        assert stats["update_deferred"] and "update_wait_s" not in stats
+        for i, unit in enumerate(order):
+            update.before_use(unit)
+            assert not update.updating(unit.index)
+            assert all(update.updating(u.index) for u in order[i + 1:]) or i == len(order) - 1
+        assert not update.pending and stats["update_wait_s"] >= 0   # the launched step's stats, completed
+        assert _equal(_params(model), want[0])
+    finally:
+        update.close()
+
+
+def _speculative(store, model) -> tuple:
+    units = _stored_units(model, store, spares=True)
+    update = _schedule("speculative", units, store, model)
+    assert isinstance(update, SpeculativeUpdate)
+    return units, update
+
+
+def test_speculation_commits_when_the_multiplier_is_the_one_it_used(store):
+    want = _reference(store, [1.0])
+    torch.manual_seed(0)
+    model = Blocks()
+    units, update = _speculative(store, model)
+    before = _params(model)
+    try:
+        _grads(units, 0)
+        _backward(update, units)
+        assert update.speculating and all(update.updating(u.index) for u in units)
+        update.check_clip()   # a speculation allows clipping
+        assert _equal(_params(model), before)   # only spares are written before the commit
+        update.step(1.0)
+        stats = _end_step(update, units)
+        assert stats["speculation"]["committed"] and not stats["speculation"]["redone"]
+        assert _equal(_params(model), want[0])
+    finally:
+        update.close()
+
+
+def test_speculation_is_redone_from_the_untouched_state_when_the_step_clipped(store):
+    """A clipped multiplier (0.5): the update runs again with it from the state the speculation left
+    untouched, bitwise the plain step with 0.5; the next step falls back to next_forward."""
+    want = _reference(store, [0.5, 1.0])
+    torch.manual_seed(0)
+    model = Blocks()
+    units, update = _speculative(store, model)
+    try:
+        _grads(units, 0)
+        _backward(update, units)
+        update.step(0.5)
+        stats = _end_step(update, units)
+        assert stats["speculation"]["redone"] and stats["speculation"]["calm_needed"] == 1
+        assert _equal(_params(model), want[0])
+        _grads(units, 1)
+        _backward(update, units)   # the fallback: nothing updated in backward, launched at step
+        assert not update.speculating and not any(update.updating(u.index) for u in units)
+        update.step(1.0)
+        assert update.pending
+        update.drain()
+        _end_step(update, units)
+        assert _equal(_params(model), want[1])
+    finally:
+        update.close()
+
+
+def test_a_skipped_or_dropped_speculation_leaves_the_state_of_the_last_step(store):
+    torch.manual_seed(0)
+    model = Blocks()
+    units, update = _speculative(store, model)
+    before = _params(model)
+    try:
+        _grads(units, 0)
+        _backward(update, units)
+        update.skip_step()   # fp16 overflow
+        stats = _end_step(update, units)
+        assert stats["speculation"]["skipped"] and _equal(_params(model), before)
+        update.new_step()
+        _backward(update, units)
+        update.new_step()   # zero_grad() after a step that failed: the speculation is dropped
+        assert not any(update.updating(u.index) for u in units) and _equal(_params(model), before)
+    finally:
+        update.close()
