@@ -72,7 +72,7 @@ from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
 from infinity.zero.gathers import UnitGathers
-from infinity.zero.grads import GradReducer
+from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
 from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
@@ -229,12 +229,12 @@ class ZeroEngine:
             norm_coll = self.world_coll if self.policy.sharded else self.tp.coll
             # fp16: an overflow on any rank skips the step on all, or tp ranks' replicated weights part
             overflow_coll = self.world_coll
-        return GradReducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
-                           config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
-                           room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
-                           overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward,
-                           norm_at_fold=config.schedule.clip_grad_norm is not None,
-                           accum_steps=config.schedule.accum_steps)
+        return make_grad_reducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
+                                 config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
+                                 room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
+                                 overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward,
+                                 norm_at_fold=config.schedule.clip_grad_norm is not None,
+                                 accum_steps=config.schedule.accum_steps)
 
     def _place_unit(self, unit, flat32: torch.Tensor) -> None:
         """Broadcast rank 0's values, make parameters views of the full buffer, put this rank's shard home."""

@@ -2,25 +2,22 @@
 
 Each parameter's ``.grad`` is moved into its unit's full (flat, padded)
 gradient as soon as autograd has accumulated it; the unit's last one makes the
-full gradient final and launches its reduction:
+full gradient final and launches its reduction. How it is reduced is what the
+stage policy picks, one class each (:func:`make_grad_reducer`):
 
-- stage 0: the units' full gradients are views of one arena, cut in buckets of
+- :class:`~infinity.zero.grad_arena.ArenaGrads` (stages 0-1): the units' full
+  gradients are views of one arena. Stage 0 cuts it in buckets of
   ``zero.bucket_bytes``; a bucket is all-reduced once all its units are final,
-  in bucket order (so every rank issues the same sequence);
-- stage 1: the arena is summed locally over micro-batches and reduce-scattered
-  once per step (:meth:`GradReducer.finish`);
-- stages 2-3: each unit is reduce-scattered as soon as it is final and the
-  result folded into its gradient shard (:meth:`UnitShard.fold_grad`: in memory
-  or in the store), so a full gradient never outlives its unit's backward.
+  in bucket order (so every rank issues the same sequence). Stage 1 sums it
+  locally over micro-batches and reduce-scatters it once per step (:meth:`finish`).
+- :class:`~infinity.zero.grad_folds.FoldedGrads` (stages 2-3): each unit is
+  reduce-scattered as soon as it is final and the result folded into its
+  gradient shard (:meth:`UnitShard.fold_grad`: in memory or in the store), so a
+  full gradient never outlives its unit's backward.
 
 ``zero_grad`` is lazy: the next backward's first write to a slot (stages 0-1)
 or shard (stages 2-3) is a copy instead of an add, and slots that get no
 gradient are zeroed when their unit is reduced.
-
-A gradient homed in the store leaves the device without blocking backward: its
-copy runs on the store's device->host lane and the fold is left pending
-(:mod:`infinity.zero.grad_staging`) in :attr:`GradReducer.writes`, which the
-step waits for before anything reads a gradient.
 
 Gradients are never rewritten to unscale or clip them. fp16 overflow is noted
 while each reduced shard is still in memory, into a flag on the gradient's own
@@ -33,13 +30,11 @@ stored gradient costs no extra read and write.
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from infinity.zero.units import TensorClass
 
-__all__ = ["GradReducer", "MAX_INFLIGHT"]
+__all__ = ["GradReducer", "GradBuffers", "MAX_INFLIGHT", "make_grad_reducer"]
 
 # Collectives of one kind in flight before the oldest is waited on. Each holds a
 # unit-sized buffer (a full gradient in backward, a shard copy around the step),
@@ -47,109 +42,77 @@ __all__ = ["GradReducer", "MAX_INFLIGHT"]
 MAX_INFLIGHT = 2
 
 
-class _Bucket:
-    """Stage 0: a run of units whose gradients are all-reduced in one call."""
-
-    def __init__(self, units, view):
-        self.units, self.view = units, view
-        self.ready = 0
-        self.pending = None
-
-
-def _square_sum(unit, grad: torch.Tensor) -> torch.Tensor:
+def square_sum(unit, grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's squared L2 norm, in fp32 (the plain per-shard sum; tensor parallelism weighs elements)."""
     return grad.float().pow(2).sum()
 
 
-def _pieces(unit) -> list:
+def norm_pieces(unit) -> list:
     """The element ranges of ``unit``'s gradient shard whose squared sums make its part of the clip norm:
     its optimizer chunks (a fold of an accumulated sum sees one chunk at a time), or the whole shard."""
     chunks = unit.shard.chunks()
     return [(0, unit.shard_numel)] if chunks == [None] else chunks
 
 
-class GradReducer:
-    """This rank's gradient path, built with what it uses:
+class GradBuffers:
+    """Statistics: the most bytes of full gradients (stages 2-3; stages 0-1 sum into the resident arena,
+    not counted) and reduction outputs held at once, per window (:meth:`take_peak`)."""
 
-    - ``policy``: the :class:`~infinity.zero.stage.StagePolicy` (buckets, reduce-scatter at step or in backward);
-    - ``coll``: the data-parallel collectives (stage 0's bucket all-reduce);
+    def __init__(self, units: list, counts_full: bool):
+        self.units, self.counts_full = units, counts_full
+        self.out_bytes = 0     # reduction outputs alive now
+        self._peak_bytes = 0
+
+    def allocated(self, out_bytes: int = 0) -> None:
+        """A full gradient or a reduction output (``out_bytes``) was allocated: update the peak."""
+        self.out_bytes += out_bytes
+        full = sum(u.full_grad.nbytes for u in self.units if u.full_grad is not None) if self.counts_full else 0
+        self._peak_bytes = max(self._peak_bytes, full + self.out_bytes)
+
+    def freed(self, out_bytes: int) -> None:
+        self.out_bytes -= out_bytes
+
+    def take_peak(self) -> int:
+        """The peak since the last call; the next window starts from now."""
+        peak, self._peak_bytes = self._peak_bytes, 0
+        self.allocated()
+        return max(peak, self._peak_bytes)
+
+
+class GradReducer:
+    """This rank's gradient path: the part every stage shares (the hooks' gradients into full
+    gradients, fp16's overflow flag, the clip norm and the multiplier, lazy zeroing). Built with what it uses:
+
+    - ``policy``: the :class:`~infinity.zero.stage.StagePolicy`;
+    - ``coll``: the data-parallel collectives;
     - ``unit_comm``: the per-unit reduce-scatter (:class:`~infinity.comm.unit_collectives.UnitCollectives`,
       or ZeRO++'s quantized one, same signature);
-    - ``room(attempt)``: runs a store operation that may have to wait for host room (a fold into a
-      stored gradient shard during an overlapped step);
-    - ``norm_at_fold``: clipping is expected (``schedule.clip_grad_norm`` is set): from the
-      ``accum_steps``-th backward since zero_grad on, each fold takes the squared sums of the gradient it
-      leaves in the shard while that is in memory, so :meth:`clip` reads no stored gradient back (at
-      2.7B with NVMe gradients, 5.4 GB a step); a later fold of the unit takes them again;
     - ``square_sum(unit, grad)``: a unit shard's squared norm for clipping (tensor parallelism weighs
       replicated elements); ``norm_coll``: where that sum is all-reduced (None: nowhere, stage 0 holds
       the whole gradient); ``overflow_coll``: every rank that must skip an fp16 step together.
 
-    Units whose reduced gradient is in their shard are collected for the caller (:meth:`take_folded`);
-    :meth:`param_ready` says when a unit's reduction was launched (stage 3 then releases it).
+    Subclasses reduce: :meth:`build` lays the gradients out, :meth:`_reduce` launches a final unit's
+    reduction, :meth:`_wait_all` waits for every one launched.
     """
 
+    arena: torch.Tensor | None = None   # stages 0-1: every unit's full gradient, one tensor
+
     def __init__(self, units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device,
-                 bucket_bytes: int, shard_rank: int, fp16: bool, room=None, square_sum=None,
-                 norm_coll=None, overflow_coll=None, settle_now=None, norm_at_fold: bool = False,
-                 accum_steps: int = 1):
+                 shard_rank: int, fp16: bool, square_sum=None, norm_coll=None, overflow_coll=None):
         self.units, self.policy, self.coll, self.unit_comm = units, policy, coll, unit_comm
-        # settle_now(): True while another party (an overlapped update's pipeline) pins host room beside
-        # backward; each fold is then finished at once, so the pins a fold in flight holds (its brought
-        # sum, its staging) never sit where that party is waiting for room it cannot see being freed
-        self._settle_now = settle_now or (lambda: False)
         self.reduce_dtype, self.device, self.shard_rank = reduce_dtype, device, shard_rank
         self.fp16 = fp16
-        self.arena: torch.Tensor | None = None
-        self.buckets: list = []
-        self._bucket_of: dict = {}
-        self._inflight: collections.deque = collections.deque()
-        self.writes: collections.deque = collections.deque()   # pending folds / store futures, in fold order
-        self._failed_writes: list = []      # settled early but failed: raised by wait_writes
-        self._unit_writes: dict = {}        # unit index -> its last fold's pending write (take_folded)
         self._inf_flags: dict = {}          # fp16: device -> count of non-finite folded shards, kept there
         self.flag_reads = 0                 # device->host reads of the overflow flag or the clip norm
         self.multiplier = 1.0               # unscale x clip coefficient, applied as the optimizer reads
-        self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
-        self.room = room if room is not None else (lambda attempt: attempt())
-        self._bucket_bytes = bucket_bytes
-        # stages 1-3: the most bytes of full gradients and reduction outputs held at once (the arena of
-        # stages 0-1 is not counted here: it is resident); see take_buffer_peak
-        self._out_bytes = 0
-        self._buffer_peak_bytes = 0
-        self.square_sum = square_sum if square_sum is not None else _square_sum
-        # squared sums at the fold only with the plain per-shard sum (tensor parallelism weighs elements)
-        self.norm_at_fold = norm_at_fold and square_sum is None
-        self.accum_steps = accum_steps
-        self._backwards = 0                 # backward passes since zero_grad
+        self.buffers = GradBuffers(units, counts_full=not policy.grads_in_arena)
+        self.square_sum = square_sum
         self.norm_reads = 0                 # units whose gradient clip() had to read back (stats, tests)
         self.norm_coll = norm_coll
         self.overflow_coll = overflow_coll if overflow_coll is not None else coll
 
-    # ------------------------------------------------------------ layout
-
     def build(self) -> None:
-        """Stages 0-1: one arena, units in reverse order (roughly the order backward finishes them),
-        so a stage-0 bucket is a contiguous range; stages 2-3: a zero gradient shard per unit."""
-        if not self.policy.grads_in_arena:
-            for unit in self.units:
-                unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
-            return
-        total = sum(u.padded_numel for u in self.units)
-        self.arena = torch.zeros(total, dtype=self.reduce_dtype, device=self.device)
-        offset, run, run_lo = 0, [], 0
-        itemsize = self.arena.element_size()
-        for unit in reversed(self.units):
-            unit.full_grad = self.arena[offset:offset + unit.padded_numel]
-            lo = self.shard_rank * unit.shard_numel
-            unit.shard.put(TensorClass.GRAD, unit.full_grad[lo:lo + unit.shard_numel])
-            offset += unit.padded_numel
-            run.append(unit)
-            if (offset - run_lo) * itemsize >= self._bucket_bytes:
-                self.buckets.append(_Bucket(run, self.arena[run_lo:offset]))
-                run, run_lo = [], offset
-        if run:
-            self.buckets.append(_Bucket(run, self.arena[run_lo:offset]))
-        self._bucket_of = {u.index: b for b in self.buckets for u in b.units}
+        raise NotImplementedError
 
     # ------------------------------------------------------------ backward
 
@@ -178,10 +141,10 @@ class GradReducer:
         unit.full_grad = torch.empty(unit.padded_numel, dtype=self.reduce_dtype, device=self.device)
         unit.full_grad[unit.numel:].zero_()
         unit.unwritten = {s.offset for s in unit.slots}
-        self._note_buffers()
+        self.buffers.allocated()
 
-    def _reduce(self, unit) -> None:
-        """The unit's full gradient is final for this backward: zero its unwritten slots, reduce it."""
+    def _final(self, unit) -> None:
+        """The unit's full gradient is final for this backward: its unwritten slots are zeroed."""
         if unit.full_grad is None:
             self._new_full_grad(unit)
         if unit.unwritten:
@@ -190,105 +153,84 @@ class GradReducer:
                     unit.full_grad[slot.offset:slot.offset + slot.numel].zero_()
         unit.unwritten = None
         unit.reduced = True
-        if self.policy.all_reduce_grads:
-            self._bucket_of[unit.index].ready += 1
-            self._launch_ready_buckets()
-        elif self.policy.reduce_scatter_in_backward:
-            if self.unit_comm.reduces_in_place:
-                out = unit.full_grad   # one rank: the mean is the gradient itself, no second full-size buffer
-            else:
-                out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                self._note_buffers(out.nbytes)
-            self._inflight.append(self.unit_comm.reduce_scatter(
-                unit, out, unit.full_grad, then=lambda unit=unit, out=out: self._fold(unit, out)))
-            # one rank: the reduction is done already, nothing is overlapped by waiting later, and each
-            # reduction left waiting keeps a unit-sized full gradient alive: fold it now
-            while len(self._inflight) > (0 if self.unit_comm.reduces_in_place else MAX_INFLIGHT):
-                self._inflight.popleft().wait()
+
+    def _reduce(self, unit) -> None:
+        raise NotImplementedError
+
+    def _wait_all(self) -> None:
+        raise NotImplementedError
 
     def begin_backward(self) -> None:
-        """A backward pass starts (counted for ``norm_at_fold``)."""
-        self._backwards += 1
-
-    def _fold(self, unit, out: torch.Tensor) -> None:
-        first, unit.grad_stale = unit.grad_stale, False
-        own_buffer = out is not unit.full_grad   # a reduction in place left no output buffer to count
-        take_norm = self.norm_at_fold and self._backwards >= self.accum_steps
-        unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
-        inspect = self._inspector(unit, take_norm)
-        self._settle_landed_writes()
-        write = unit.shard.fold_grad(out, first, inspect, room=self.room)
-        if write is not None and self._settle_now():
-            write.result()
-        if write is not None:
-            self.writes.append(write)
-            self._unit_writes[unit.index] = write
-        unit.full_grad = None   # the full gradient is dropped once reduced
-        if own_buffer:
-            self._out_bytes -= out.nbytes
-        self._folded.append(unit)
-
-    def _inspector(self, unit, take_norm: bool):
-        """What a fold calls with the gradient it leaves in the shard (``inspect(t, lo)``: elements
-        ``[lo, lo + t.numel())`` of it): fp16's overflow check (the folded sum itself may overflow) and
-        the clip norm's squared sums of every norm piece ``t`` holds whole (:meth:`_pieces`)."""
-        if not (self.fp16 or take_norm):
-            return None
-        pieces = _pieces(unit)
-        sums = unit.grad_square_sums
-
-        def inspect(t: torch.Tensor, lo: int = 0) -> None:
-            if self.fp16:
-                self._note_non_finite(t)
-            if take_norm and t.dtype == self.reduce_dtype:   # the stored gradient's very values
-                for a, b in pieces:
-                    if lo <= a and b <= lo + t.numel():
-                        sums[a] = _square_sum(unit, t[a - lo:b - lo])
-        return inspect
+        """A backward pass starts."""
 
     def take_folded(self, readable: bool = False) -> list:
-        """Units (stages 2-3) whose reduced gradient reached their shard since the last call, in order:
-        their gradient is final for this backward. ``readable``: for a caller that reads them during
-        backward (the overlapped update): each one's fold is finished first where the store would not
-        make a read wait for it (an accumulation's sum is made when its copy lands)."""
-        if not self._folded:
-            return []   # the common case: called after every parameter's hook, nothing new
-        out, self._folded = self._folded, []
-        for unit in out:
-            write = self._unit_writes.pop(unit.index, None)
-            if readable and write is not None and not getattr(write, "ordered", True):
-                write.result()
-        return out
+        """Units whose reduced gradient reached their shard since the last call (stages 2-3 only)."""
+        return []
 
-    def _copy_out(self, unit, out: torch.Tensor) -> None:
-        """Stage 1: a reduce-scatter's output lands in the gradient shard (a view of the arena)."""
-        unit.shard.get(TensorClass.GRAD).copy_(out)
-        self._out_bytes -= out.nbytes
+    def flush(self) -> None:
+        """End of backward: units some of whose parameters got no gradient are reduced now, in unit
+        order; every reduction of this backward is waited on (their units then in :meth:`take_folded`)."""
+        for unit in self.units:
+            if not unit.reduced:
+                self._reduce(unit)
+        self._wait_all()
+        self._after_flush()
+        for unit in self.units:
+            unit.start_backward_pass()
 
-    def _note_buffers(self, new_out_bytes: int = 0) -> None:
-        """A full gradient or a reduction output was allocated: update the buffers' peak."""
-        self._out_bytes += new_out_bytes
-        full = 0 if self.arena is not None else sum(u.full_grad.nbytes for u in self.units
-                                                     if u.full_grad is not None)
-        self._buffer_peak_bytes = max(self._buffer_peak_bytes, full + self._out_bytes)
+    def _after_flush(self) -> None:
+        """What a reducer does once every reduction of the backward has landed."""
+
+    def abort(self) -> None:
+        """A backward raised part-way: wait for the reductions it launched (every rank launched the
+        same ones), drop its partial gradients. The caller requires ``zero()`` before a step."""
+        try:
+            self._wait_all()
+        finally:
+            self._drop_backward()
+            for unit in self.units:   # a fold may have been cut short
+                unit.grad_square_sums = None
+            for unit in self.units:
+                unit.start_backward_pass()
+                if self.arena is None:
+                    unit.full_grad = None
+            self.buffers.out_bytes = 0
+
+    def _drop_backward(self) -> None:
+        """Forget the reductions and folds a raised backward left in flight."""
+
+    # ------------------------------------------------------------ the step's view
 
     def take_buffer_peak(self) -> int:
-        """The most bytes of full gradients (stages 2-3; stages 0-1 sum into the resident arena) and
-        reduction outputs held at once since the last call; the next window starts from now."""
-        peak, self._buffer_peak_bytes = self._buffer_peak_bytes, 0
-        self._note_buffers()
-        return max(peak, self._buffer_peak_bytes)
+        """:meth:`GradBuffers.take_peak` (the memory report's gradient-buffer term)."""
+        return self.buffers.take_peak()
 
-    def _settle_landed_writes(self) -> None:
-        """Finish the oldest pending folds whose copies have landed (frees their staging and pins, starts
-        their writes home early); copies land in fold order, so this stops at the first one still in
-        flight. A failure is kept for :meth:`wait_writes` to raise."""
-        while self.writes and self.writes[0].done():
-            w = self.writes.popleft()
-            try:
-                w.result()
-            except BaseException:   # noqa: BLE001 - raised where the step waits
-                self._failed_writes.append(w)
+    def wait_writes(self, raise_errors: bool = True) -> None:
+        """Wait for folded gradients still being written (stages 2-3); a failed write is raised here."""
+
+    def finish(self, loss_scale: float | None) -> bool:
+        """Complete reduction (stage 1: the reduce-scatter) and fold fp16 unscaling into the
+        multiplier; returns True if any rank's gradients overflowed."""
+        self._complete_reduction()
+        self.wait_writes()
+        if loss_scale is None:
+            return False
+        self._note_unfolded_shards()
+        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for per_device in self._inf_flags.values():
+            flag += per_device.to(self.device)
+        self._inf_flags = {}
+        self.overflow_coll.all_reduce_max(flag)
+        if self.read_flag(flag) > 0:
+            return True
+        self.multiplier /= loss_scale
+        return False
+
+    def _complete_reduction(self) -> None:
+        """The step's part of the reduction (stage 1's reduce-scatter)."""
+
+    def _note_unfolded_shards(self) -> None:
+        """fp16: shards no fold looked at (in-memory arena shards) are looked at now."""
 
     def _note_non_finite(self, grad: torch.Tensor) -> None:
         """Count a non-finite shard into the flag on ``grad``'s device: no device->host read here."""
@@ -302,94 +244,12 @@ class GradReducer:
         self.flag_reads += 1
         return float(value.item())
 
-    def _launch_ready_buckets(self) -> None:
-        # strictly in bucket order so every rank issues the same sequence of collectives
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                continue
-            if bucket.ready < len(bucket.units):
-                return
-            bucket.pending = self.coll.all_reduce(bucket.view, average=True, async_op=True)
-
-    def flush(self) -> None:
-        """End of backward: units some of whose parameters got no gradient are reduced now, in unit
-        order; every reduction of this backward is waited on (their units then in :meth:`take_folded`)."""
-        for unit in self.units:
-            if not unit.reduced:
-                self._reduce(unit)
-        self._wait_all()
-        self._settle_landed_writes()   # the disk may start on gradients whose copies are in already
-        for unit in self.units:
-            unit.start_backward_pass()
-
-    def _wait_all(self) -> None:
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                pending, bucket.pending = bucket.pending, None
-                pending.wait()
-            bucket.ready = 0
-        while self._inflight:
-            self._inflight.popleft().wait()
-
-    def abort(self) -> None:
-        """A backward raised part-way: wait for the reductions it launched (every rank launched the
-        same ones), drop its partial gradients. The caller requires ``zero()`` before a step."""
-        try:
-            self._wait_all()
-        finally:
-            self._inflight.clear()
-            for bucket in self.buckets:
-                bucket.pending, bucket.ready = None, 0
-            self.wait_writes(raise_errors=False)
-            self._folded = []
-            self._unit_writes = {}
-            for unit in self.units:   # a fold may have been cut short
-                unit.grad_square_sums = None
-            for unit in self.units:
-                unit.start_backward_pass()
-                if self.arena is None:
-                    unit.full_grad = None
-            self._out_bytes = 0
-
-    # ------------------------------------------------------------ the step's view
-
-    def finish(self, loss_scale: float | None) -> bool:
-        """Complete reduction (stage 1: the reduce-scatter) and fold fp16 unscaling into the
-        multiplier; returns True if any rank's gradients overflowed."""
-        if self.policy.reduce_scatter_at_step:
-            # launched together so the transport pipelines them; each output lands in the grad shard,
-            # which is a view of the input, hence the separate output buffer
-            pending = collections.deque()
-            for unit in self.units:
-                out = torch.empty(unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                self._note_buffers(out.nbytes)
-                pending.append(self.unit_comm.reduce_scatter(
-                    unit, out, unit.full_grad, then=lambda unit=unit, out=out: self._copy_out(unit, out)))
-                while len(pending) > MAX_INFLIGHT:
-                    pending.popleft().wait()
-            while pending:
-                pending.popleft().wait()
-        self.wait_writes()
-        if loss_scale is None:
-            return False
-        if self.policy.grads_in_arena:   # in-memory shards: looked at now (stages 2-3 noted them when folded)
-            for unit in self.units:
-                self._note_non_finite(unit.shard.get(TensorClass.GRAD))
-        flag = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for per_device in self._inf_flags.values():
-            flag += per_device.to(self.device)
-        self._inf_flags = {}
-        self.overflow_coll.all_reduce_max(flag)
-        if self.read_flag(flag) > 0:
-            return True
-        self.multiplier /= loss_scale
-        return False
-
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the (unscaled) gradients; folds ``min(1, max_norm / norm)`` into the
-        multiplier. A unit's squared sum is the sum, in order, of its norm pieces' (:func:`_pieces`):
-        taken at its last fold (``norm_at_fold``), or read back one unit's gradient shard at a time -
-        the same values either way on the CPU path (on CUDA a first fold's are the device's reduction)."""
+        multiplier. A unit's squared sum is the sum, in order, of its norm pieces' (:func:`norm_pieces`):
+        taken at its last fold (stages 2-3 with ``norm_at_fold``), or read back one unit's gradient shard
+        at a time - the same values either way on the CPU path (on CUDA a first fold's are the device's
+        reduction)."""
         per_device: dict = {}   # summed where each shard is: no device->host read per unit
         for unit in self.units:
             s = self._unit_square_sum(unit).reshape(())
@@ -406,45 +266,41 @@ class GradReducer:
         return norm
 
     def _unit_square_sum(self, unit) -> torch.Tensor:
-        pieces = _pieces(unit)
+        pieces = norm_pieces(unit)
         taken = unit.grad_square_sums
         if taken is not None and len(taken) == len(pieces):
             parts = [taken[a] for a, _ in pieces]
         else:
             self.norm_reads += 1
             grad = unit.shard.read(TensorClass.GRAD)
-            if self.square_sum is not _square_sum:
+            if self.square_sum is not None:
                 return self.square_sum(unit, grad)
-            parts = [_square_sum(unit, grad[a:b]) for a, b in pieces]
+            parts = [square_sum(unit, grad[a:b]) for a, b in pieces]
         total = parts[0]
         for p in parts[1:]:
             total = total + p.to(total.device)
         return total
 
-    def wait_writes(self, raise_errors: bool = True) -> None:
-        """Wait for folded gradients still being written; a failed write is raised here."""
-        writes = [*self._failed_writes, *self.writes]
-        self.writes, self._failed_writes, self._unit_writes = collections.deque(), [], {}
-        for f in writes:
-            try:
-                f.result()
-            except BaseException:
-                if raise_errors:
-                    raise
-
     def zero(self) -> None:
         """Logically zero every gradient (see the module doc); the multiplier starts again at 1."""
         self.multiplier = 1.0
-        self._folded = []
         self._inf_flags = {}
-        self._backwards = 0
         for unit in self.units:
             unit.grad_square_sums = None
-        self._out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
-        if self.arena is not None:
-            for unit in self.units:
-                unit.unwritten = {s.offset for s in unit.slots}
-        else:
-            for unit in self.units:
-                unit.grad_stale = True
-                unit.full_grad = None
+        self.buffers.out_bytes = 0   # nothing is in flight between steps (a failed step may have left a count)
+
+
+def make_grad_reducer(units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device, bucket_bytes: int,
+                      shard_rank: int, fp16: bool, room=None, square_sum=None, norm_coll=None, overflow_coll=None,
+                      settle_now=None, norm_at_fold: bool = False, accum_steps: int = 1) -> GradReducer:
+    """The reducer the stage policy picks: :class:`~infinity.zero.grad_arena.ArenaGrads` where gradients sum
+    into one arena (stages 0-1: ``bucket_bytes``), else :class:`~infinity.zero.grad_folds.FoldedGrads`
+    (``room``, ``settle_now``, ``norm_at_fold``, ``accum_steps``: see it)."""
+    from infinity.zero.grad_arena import ArenaGrads   # beside this module; each subclasses GradReducer
+    from infinity.zero.grad_folds import FoldedGrads
+    common = dict(square_sum=square_sum, norm_coll=norm_coll, overflow_coll=overflow_coll)
+    if policy.grads_in_arena:
+        return ArenaGrads(units, policy, coll, unit_comm, reduce_dtype, device, shard_rank, fp16,
+                          bucket_bytes=bucket_bytes, **common)
+    return FoldedGrads(units, policy, coll, unit_comm, reduce_dtype, device, shard_rank, fp16, room=room,
+                       settle_now=settle_now, norm_at_fold=norm_at_fold, accum_steps=accum_steps, **common)

@@ -170,7 +170,7 @@ class UpdateSchedule:
 
     def pins_beside_backward(self) -> bool:
         """Whether an update may hold host room pinned while backward folds gradients (the reducer then
-        finishes each fold at once: see :class:`~infinity.zero.grads.GradReducer`)."""
+        finishes each fold at once: see :class:`~infinity.zero.grad_folds.FoldedGrads`)."""
         return False
 
     def with_room(self, attempt):

@@ -1,7 +1,7 @@
 """``optimizer.update_at: backward``: each unit's update runs during the step's last backward.
 
 At stage >= 2 a unit's gradient shard is final once the step's last backward
-has folded its reduce-scatter into it (:class:`~infinity.zero.grads.GradReducer`).
+has folded its reduce-scatter into it (:class:`~infinity.zero.grad_folds.FoldedGrads`).
 From then on nothing in that backward reads or writes the unit's shards, so
 its Adam update (swap-in of master / moments / gradient, CPU Adam, write-back)
 can run on the pipeline threads while backward goes on with the units before

@@ -15,7 +15,7 @@ from infinity.comm.unit_collectives import UnitCollectives
 from infinity.config import IOConfig, TiersConfig
 from infinity.store import TensorStore, Tier
 from infinity.zero.grad_staging import FoldStaging
-from infinity.zero.grads import GradReducer
+from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.placement import Placement
 from infinity.zero.stage import StagePolicy
 from infinity.zero.store_shard import LentCopies, StoreUnitShard
@@ -76,8 +76,8 @@ def test_folds_give_the_blocking_paths_bytes_and_return_before_the_copy_lands(tm
 
 def _reducer(units, fp16=False) -> GradReducer:
     coll = LocalCollectives()
-    return GradReducer(units, StagePolicy.of(2), coll, UnitCollectives(coll), torch.float32, torch.device("cpu"),
-                       bucket_bytes=1 << 20, shard_rank=0, fp16=fp16, norm_coll=coll)
+    return make_grad_reducer(units, StagePolicy.of(2), coll, UnitCollectives(coll), torch.float32,
+                             torch.device("cpu"), bucket_bytes=1 << 20, shard_rank=0, fp16=fp16, norm_coll=coll)
 
 
 def _stored_units(store, grads="nvme"):

@@ -8,7 +8,7 @@ import torch
 
 from infinity.comm.collectives import LocalCollectives
 from infinity.comm.unit_collectives import UnitCollectives
-from infinity.zero.grads import GradReducer
+from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 from unit_parts import Blocks, make_units
@@ -16,9 +16,9 @@ from unit_parts import Blocks, make_units
 
 def _reducer(stage: int, units: list) -> GradReducer:
     coll = LocalCollectives()
-    r = GradReducer(units, StagePolicy.of(stage), coll, UnitCollectives(coll), torch.float32, torch.device("cpu"),
-                    bucket_bytes=1 << 20, shard_rank=0, fp16=False,
-                    norm_coll=coll if StagePolicy.of(stage).sharded else None)
+    r = make_grad_reducer(units, StagePolicy.of(stage), coll, UnitCollectives(coll), torch.float32,
+                          torch.device("cpu"), bucket_bytes=1 << 20, shard_rank=0, fp16=False,
+                          norm_coll=coll if StagePolicy.of(stage).sharded else None)
     r.build()
     return r
 

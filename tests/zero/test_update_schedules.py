@@ -60,6 +60,14 @@ def _schedule(at: str, units, store, model):
     return update
 
 
+def _built(store, at: str) -> tuple:
+    """A freshly seeded model, its stored units and the ``at`` schedule over them."""
+    torch.manual_seed(0)
+    model = Blocks()
+    units = _stored_units(model, store, spares=at == "speculative")
+    return model, units, _schedule(at, units, store, model)
+
+
 def _grads(units, seed: int) -> None:
     """Each unit's gradient shard, as a backward's first fold writes it."""
     g = torch.Generator().manual_seed(seed)
@@ -95,10 +103,7 @@ def _params(model) -> dict:
 
 def _reference(store, grad_scales: list) -> list:
     """The plain step (update_at step) for each multiplier in turn: the parameters after each step."""
-    torch.manual_seed(0)
-    model = Blocks()
-    units = _stored_units(model, store, spares=False)
-    update = _schedule("step", units, store, model)
+    model, units, update = _built(store, "step")
     out = []
     try:
         for i, scale in enumerate(grad_scales):
@@ -123,10 +128,7 @@ def test_every_schedule_is_the_plain_step_bitwise(store, at):
     """Two steps through each schedule's events give the step schedule's parameters exactly; the schedule's
     stats name it."""
     want = _reference(store, [1.0, 1.0])
-    torch.manual_seed(0)
-    model = Blocks()
-    units = _stored_units(model, store, spares=at == "speculative")
-    update = _schedule(at, units, store, model)
+    model, units, update = _built(store, at)
     try:
         for i in range(2):
             _grads(units, i)
@@ -141,10 +143,7 @@ def test_every_schedule_is_the_plain_step_bitwise(store, at):
 
 
 def test_backward_submits_final_units_at_once_and_defers_the_root_and_the_flush(store):
-    torch.manual_seed(0)
-    model = Blocks()
-    units = _stored_units(model, store, spares=False)
-    update = _schedule("backward", units, store, model)
+    model, units, update = _built(store, "backward")
     blocks, root = [u for u in units if not u.is_root], next(u for u in units if u.is_root)
     try:
         _grads(units, 0)
@@ -189,10 +188,7 @@ def test_backward_with_accumulation_updates_only_in_the_last_backward(store):
 
 
 def test_a_backward_that_raises_after_updates_began_marks_the_step_partial(store):
-    torch.manual_seed(0)
-    model = Blocks()
-    units = _stored_units(model, store, spares=False)
-    update = _schedule("backward", units, store, model)
+    model, units, update = _built(store, "backward")
     try:
         _grads(units, 0)
         update.begin_backward(sync=True)
@@ -209,10 +205,7 @@ def test_next_forward_launches_at_step_and_waits_per_unit_before_use(store):
     """step() returns with every unit launched; before_use waits for that unit only (the others stay
     launched); the last wait drains the rest; the result is the plain step's."""
     want = _reference(store, [1.0])
-    torch.manual_seed(0)
-    model = Blocks()
-    units = _stored_units(model, store, spares=False)
-    update = _schedule("next_forward", units, store, model)
+    model, units, update = _built(store, "next_forward")
     order = sorted(units, key=lambda u: (not u.is_root, u.index))   # forward order: the root first
     try:
         _grads(units, 0)
@@ -231,18 +224,15 @@ def test_next_forward_launches_at_step_and_waits_per_unit_before_use(store):
         update.close()
 
 
-def _speculative(store, model) -> tuple:
-    units = _stored_units(model, store, spares=True)
-    update = _schedule("speculative", units, store, model)
+def _speculative(store) -> tuple:
+    model, units, update = _built(store, "speculative")
     assert isinstance(update, SpeculativeUpdate)
-    return units, update
+    return model, units, update
 
 
 def test_speculation_commits_when_the_multiplier_is_the_one_it_used(store):
     want = _reference(store, [1.0])
-    torch.manual_seed(0)
-    model = Blocks()
-    units, update = _speculative(store, model)
+    model, units, update = _speculative(store)
     before = _params(model)
     try:
         _grads(units, 0)
@@ -262,9 +252,7 @@ def test_speculation_is_redone_from_the_untouched_state_when_the_step_clipped(st
     """A clipped multiplier (0.5): the update runs again with it from the state the speculation left
     untouched, bitwise the plain step with 0.5; the next step falls back to next_forward."""
     want = _reference(store, [0.5, 1.0])
-    torch.manual_seed(0)
-    model = Blocks()
-    units, update = _speculative(store, model)
+    model, units, update = _speculative(store)
     try:
         _grads(units, 0)
         _backward(update, units)
@@ -285,9 +273,7 @@ def test_speculation_is_redone_from_the_untouched_state_when_the_step_clipped(st
 
 
 def test_a_skipped_or_dropped_speculation_leaves_the_state_of_the_last_step(store):
-    torch.manual_seed(0)
-    model = Blocks()
-    units, update = _speculative(store, model)
+    model, units, update = _speculative(store)
     before = _params(model)
     try:
         _grads(units, 0)
