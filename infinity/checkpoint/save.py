@@ -75,7 +75,7 @@ def save_checkpoint(directory, model, optimizer, *, step: int | None = None, kee
     """
     engine = engine_for(model, optimizer)
     coll, rank = engine.world_coll, engine.world_rank   # every rank of the mesh (both axes)
-    engine.settle_update()   # update_at next_forward: the last step's update is whole before it is saved
+    engine.drain_update()   # update_at next_forward: the last step's update is whole before it is saved
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got {keep_last}")
     if step is None:

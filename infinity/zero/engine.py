@@ -71,7 +71,7 @@ from infinity.store.budget import DeviceHeadroom, resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
-from infinity.zero.gathers import UnitGathers
+from infinity.zero.gathers import ReplicatedParams, UnitGathers
 from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.lifecycle import STEP_MOVES, StepPhase
@@ -192,9 +192,11 @@ class ZeroEngine:
                                         self.shard_rank, self.rank, self.hyper, self.tracer, config.optimizer,
                                         config.schedule.accum_steps)
             self.grads = self._build_grads(config)
+            # stage 3 gathers each unit just before use; below it the gather verbs are no-ops
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
                                        self.tracer, config.zero.reshard_after_forward, self.rank,
-                                       StoragePool(reuse=self.device.type == "cpu"))
+                                       StoragePool(reuse=self.device.type == "cpu")) \
+                if self.policy.shard_params else ReplicatedParams()
             self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
@@ -232,7 +234,7 @@ class ZeroEngine:
         return make_grad_reducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
                                  config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
                                  room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
-                                 overflow_coll=overflow_coll, settle_now=self.update.pins_beside_backward,
+                                 overflow_coll=overflow_coll, fold_at_once=self.update.pins_beside_backward,
                                  norm_at_fold=config.schedule.clip_grad_norm is not None,
                                  accum_steps=config.schedule.accum_steps)
 
@@ -267,8 +269,7 @@ class ZeroEngine:
         unit.shard, unit.full_param = shard, full
         if self.compute_dtype != self.param_dtype:   # each gather is upcast into it (UnitGathers.gather)
             unit.compute_param = torch.empty(0, dtype=self.compute_dtype, device=full.device)
-        if self.policy.shard_params:
-            self.gathers.release(unit)
+        self.gathers.release(unit)   # stage 3: the full buffer goes until the unit's first use
 
     # ------------------------------------------------------------ the lifecycle
 
@@ -285,8 +286,7 @@ class ZeroEngine:
         try:
             self.grads.abort()
         finally:
-            if self.policy.shard_params:
-                self.gathers.release_all()
+            self.gathers.release_all()
             self.update.abort_backward()
             self.prefetcher.abandon_step()
             self.stats.stop("backward")
@@ -312,7 +312,7 @@ class ZeroEngine:
         self.memory.forward_begins()   # counts saved activations once memory is enabled
         if self._root is not None:
             self.update.before_use(self._root)   # next_forward: the root's launched update (used first)
-        if self.policy.shard_params and self._root is not None:
+        if self._root is not None:
             self.gathers.use_unit(self._root, training)
 
     @_engine_time
@@ -320,9 +320,8 @@ class ZeroEngine:
         """The model's forward is done; returns its output (fp16: routed through the loss scale)."""
         self.memory.forward_ends()
         if not training:
-            if self.policy.shard_params:   # no backward will follow: nothing may stay gathered
-                for unit in self.units:
-                    self.gathers.release(unit)
+            for unit in self.units:   # no backward will follow: nothing may stay gathered
+                self.gathers.release(unit)
         elif self.loss_scaler is not None:
             out = hooks.scale_outputs(out, self.loss_scaler.scale)
         self.stats.stop("forward")
@@ -332,10 +331,9 @@ class ZeroEngine:
     def unit_pre_forward(self, unit, training: bool) -> None:
         """A unit's forward starts: its launched update is waited for (next_forward), stage 3 gathers it."""
         self.update.before_use(unit)
-        if self.policy.shard_params:
-            self.gathers.use_unit(unit, training)
+        self.gathers.use_unit(unit, training)
 
-    def settle_update(self) -> None:
+    def drain_update(self) -> None:
         """Wait for an update ``optimizer.step()`` launched (``update_at`` next_forward) to finish:
         before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``). At
         stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
@@ -357,8 +355,7 @@ class ZeroEngine:
     @_engine_time
     def unit_pre_recompute(self, unit) -> None:
         """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
-        if self.policy.shard_params:
-            self.gathers.acquire(unit)
+        self.gathers.acquire(unit)
 
     @_engine_time
     def enter_backward(self) -> None:
@@ -383,7 +380,7 @@ class ZeroEngine:
         unit's reduction is launched, stage 3 releases it."""
         self.enter_backward()
         unit = self.units[unit_index]
-        if self.grads.param_ready(unit, unit.slots[slot_index], param) and self.policy.shard_params:
+        if self.grads.param_ready(unit, unit.slots[slot_index], param):
             self.gathers.release(unit)
         self._hand_final_units()
 
@@ -398,8 +395,7 @@ class ZeroEngine:
         with self.update.flushing():   # units final in the flush are updated after it (overlap)
             self.grads.flush()
             self._hand_final_units()
-        if self.policy.shard_params:
-            self.gathers.release_all()
+        self.gathers.release_all()
         self._go(StepPhase.ACCUMULATED)
         self.update.end_backward(self._backward_multiplier())
         self.stats.stop("backward")
@@ -468,10 +464,7 @@ class ZeroEngine:
             unit.clear_update()
         self.grads.multiplier = 1.0
         self._go(StepPhase.IDLE)
-        # every rank keeps or re-records the trace together: a rank prefetching along a dropped
-        # trace would start all-gathers in an order the others do not, and deadlock
-        if self.policy.shard_params:
-            self.prefetcher.end_step(self.coll.all_agree)
+        self.gathers.end_step(self.coll.all_agree)
         self.stats.stop("step")
         self.stats.end_step()
         self.stats.last_step.update(self.live.take_step_stats())   # live_peak_bytes, live_cap_releases
@@ -484,9 +477,7 @@ class ZeroEngine:
         if self.memory.enabled:
             resident = self.resident_bytes()
             resident.pop("store", None)
-            # stage 3: the step's live peak, or (CPU device) the full buffers' memory with what is kept for reuse
-            gathered = max(self.stats.last_step.get("live_peak_bytes", 0), self.gathers.buffers.take_window_peak()) \
-                if self.policy.shard_params else 0
+            gathered = self.gathers.step_peak_bytes(self.stats.last_step.get("live_peak_bytes", 0))
             self.memory.end_step(sum(resident.values()), gathered)
         self.tracer.end_step()
         self.tracer.begin_step()
@@ -533,8 +524,7 @@ class ZeroEngine:
         self.update.abort()
         for unit in self.units:
             unit.clear_update()
-        if self.policy.shard_params:
-            self.gathers.release_all()
+        self.gathers.release_all()
         self.grads.zero()
         if self.phase is not StepPhase.IDLE:
             if self.phase is StepPhase.STEPPING:
@@ -568,9 +558,6 @@ class ZeroEngine:
         even with ZeRO++'s qwZ (only the training step's gathers are quantized)."""
         self.notice_aborted_backward()
         self.update.drain()   # the parameters read inside are the last step's
-        if not self.policy.shard_params:
-            yield
-            return
         with self.unit_comm.exact_gathers():
             for unit in self.units:
                 self.gathers.gather(unit)

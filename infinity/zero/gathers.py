@@ -34,7 +34,7 @@ from infinity.zero.live_units import UnitUse
 from infinity.zero.storage_pool import StoragePool
 from infinity.zero.units import UnitState
 
-__all__ = ["UnitGathers"]
+__all__ = ["UnitGathers", "ReplicatedParams"]
 
 
 class _Gather:
@@ -147,6 +147,17 @@ class UnitGathers:
             self.live.set_use(unit.index, UnitUse.AHEAD)
             self.gather(unit, wait=False)
 
+    def end_step(self, all_agree) -> None:
+        """The step is done: every rank keeps or re-records the prefetch trace together (``all_agree``, a
+        collective): a rank prefetching along a dropped trace would start all-gathers in an order the
+        others do not, and deadlock."""
+        self.prefetcher.end_step(all_agree)
+
+    def step_peak_bytes(self, live_peak_bytes: int) -> int:
+        """The step's gathered bytes for the memory report: the live peak, or (CPU device) the full
+        buffers' memory with what is kept for reuse."""
+        return max(live_peak_bytes, self.buffers.take_window_peak())
+
     def use_unit(self, unit, training: bool) -> None:
         """A unit's forward or backward is about to run: gather it for use; in a training pass record
         the use and prefetch along the trace (see the module doc)."""
@@ -167,3 +178,35 @@ class UnitGathers:
         nxt = self.prefetcher.upcoming(1)
         if nxt:
             self.gather_ahead(self.units[nxt[0]])   # only if it fits prefetch.max_live_bytes
+
+
+class ReplicatedParams:
+    """Stages 0-2: every rank holds every unit's full parameters for the whole run, so there is nothing to
+    gather or release. The engine sends the same verbs at every stage; here each is a no-op."""
+
+    def __init__(self):
+        self.buffers = StoragePool(reuse=False)   # never filled: trimmed at close like stage 3's
+
+    def gather(self, unit, wait: bool = True) -> None:
+        pass
+
+    def release(self, unit) -> None:
+        pass
+
+    def release_all(self) -> None:
+        pass
+
+    def acquire(self, unit) -> None:
+        pass
+
+    def after_forward(self, unit) -> None:
+        pass
+
+    def use_unit(self, unit, training: bool) -> None:
+        pass
+
+    def end_step(self, all_agree) -> None:
+        pass   # no trace is recorded: nothing is prefetched
+
+    def step_peak_bytes(self, live_peak_bytes: int) -> int:
+        return 0   # the full parameters are resident, counted there

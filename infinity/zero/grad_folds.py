@@ -30,7 +30,7 @@ class FoldedGrads(GradReducer):
 
     - ``room(attempt)``: runs a store operation that may have to wait for host room (a fold into a
       stored gradient shard during an overlapped step);
-    - ``settle_now()``: True while another party (an overlapped update's pipeline) pins host room beside
+    - ``fold_at_once()``: True while another party (an overlapped update's pipeline) pins host room beside
       backward; each fold is then finished at once, so the pins a fold in flight holds (its brought sum,
       its staging) never sit where that party is waiting for room it cannot see being freed;
     - ``norm_at_fold``: clipping is expected (``schedule.clip_grad_norm`` is set): from the
@@ -39,18 +39,18 @@ class FoldedGrads(GradReducer):
       2.7B with NVMe gradients, 5.4 GB a step); a later fold of the unit takes them again.
     """
 
-    def __init__(self, *args, room=None, settle_now=None, norm_at_fold: bool = False, accum_steps: int = 1,
+    def __init__(self, *args, room=None, fold_at_once=None, norm_at_fold: bool = False, accum_steps: int = 1,
                  **kwargs):
         super().__init__(*args, **kwargs)
         self.room = room if room is not None else (lambda attempt: attempt())
-        self._settle_now = settle_now or (lambda: False)
+        self._fold_at_once = fold_at_once or (lambda: False)
         # squared sums at the fold only with the plain per-shard sum (tensor parallelism weighs elements)
         self.norm_at_fold = norm_at_fold and self.square_sum is None
         self.accum_steps = accum_steps
         self._backwards = 0                 # backward passes since zero_grad
         self._inflight: collections.deque = collections.deque()
         self.writes: collections.deque = collections.deque()   # pending folds / store futures, in fold order
-        self._failed_writes: list = []      # settled early but failed: raised by wait_writes
+        self._failed_writes: list = []      # finished early but failed: raised by wait_writes
         self._unit_writes: dict = {}        # unit index -> its last fold's pending write (take_folded)
         self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
 
@@ -82,9 +82,9 @@ class FoldedGrads(GradReducer):
         take_norm = self.norm_at_fold and self._backwards >= self.accum_steps
         unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
         inspect = self._inspector(unit, take_norm)
-        self._settle_landed_writes()
+        self._finish_landed_folds()
         write = unit.shard.fold_grad(out, first, inspect, room=self.room)
-        if write is not None and self._settle_now():
+        if write is not None and self._fold_at_once():
             write.result()
         if write is not None:
             self.writes.append(write)
@@ -126,7 +126,7 @@ class FoldedGrads(GradReducer):
                 write.result()
         return out
 
-    def _settle_landed_writes(self) -> None:
+    def _finish_landed_folds(self) -> None:
         """Finish the oldest pending folds whose copies have landed (frees their staging and pins, starts
         their writes home early); copies land in fold order, so this stops at the first one still in
         flight. A failure is kept for :meth:`wait_writes` to raise."""
@@ -142,7 +142,7 @@ class FoldedGrads(GradReducer):
             self._inflight.popleft().wait()
 
     def _after_flush(self) -> None:
-        self._settle_landed_writes()   # the disk may start on gradients whose copies are in already
+        self._finish_landed_folds()   # the disk may start on gradients whose copies are in already
 
     def _drop_backward(self) -> None:
         self._inflight.clear()

@@ -18,7 +18,7 @@ nothing else of it:
 - unit forward pre-hook at stages 1-2 with ``optimizer.update_at``
   next_forward: ``unit_pre_forward`` waits for the unit's update that
   ``optimizer.step()`` launched; a state-dict pre-hook on the model:
-  ``settle_update`` (the whole launched update).
+  ``drain_update`` (the whole launched update).
 - per-parameter post-accumulate-grad hook: ``param_grad_ready`` moves ``.grad``
   into the unit's flat gradient; the unit's last one triggers its reduction.
 
@@ -98,7 +98,7 @@ class HookTarget(Protocol):
     def unit_pre_recompute(self, unit) -> None: ...                 # activation checkpointing's rerun
     def enter_backward(self) -> None: ...
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None: ...
-    def settle_update(self) -> None: ...                            # a launched update finishes first
+    def drain_update(self) -> None: ...                            # a launched update finishes first
 
 
 def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: int = 0,
@@ -125,7 +125,7 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
     handles.append(model.register_forward_pre_hook(root_pre))
     handles.append(model.register_forward_hook(root_post))
     # a state dict read right after optimizer.step() sees the step's parameters (next_forward)
-    handles.append(model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: target.settle_update()))
+    handles.append(model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: target.drain_update()))
 
     if checkpoint_units:
         from torch.distributed._composable import checkpoint
