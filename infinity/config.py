@@ -334,7 +334,8 @@ class OffloadConfig:
 class TiersConfig:
     device_bytes: Any = _f("auto", _size_or_auto, "device tier budget; auto = free device memory at start-up less "
                            "the gathered working set, 1/4 of the device for activations and a slack of "
-                           "max(1GiB, 5%) (CPU: 1/4 of RAM per local rank)")
+                           "max(1GiB, 5%) (CPU: 1/4 of RAM per local rank; with host_bytes auto too, carved out "
+                           "of the host tier's half, at most half of it)")
     host_bytes: Any = _f("auto", _size_or_auto, "host tier budget; auto = 1/2 of (available RAM less an OS reserve "
                          "of max(2GiB, 10% of RAM)), divided by the ranks on this machine (LOCAL_WORLD_SIZE)")
     nvme_path: Any = _f(None, _optional_path, "swap directory for the nvme tier (needed when anything lives there)")

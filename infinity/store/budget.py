@@ -22,7 +22,11 @@ when every rank of the node has taken its part and the step is at its peak:
   (``max(DEVICE_SLACK_MIN_BYTES, DEVICE_SLACK_FRACTION * total)``) is for NCCL's
   buffers, the caching allocator's fragmentation and the copy streams.
 - device (CPU, where the "device" is ordinary memory): 1/4 of the RAM per local
-  rank, small enough that the device tier is over-subscribed for real.
+  rank, small enough that the device tier is over-subscribed for real. With the
+  host budget auto too, both tiers are that same RAM: the device tier is carved
+  out of the host half (at most half of it), so the two together still leave the
+  process its own half. On top of each other (3/4 of the RAM and more) the ranks
+  of a tight grant were killed by the kernel while their model was loading.
 
 "RAM" and "available" are what this process may use: in a container or a job
 whose cgroup grants it less memory than the machine has, the grant
@@ -130,6 +134,10 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device,
         host_bytes = tiers.host_bytes
     else:
         host_bytes = auto_host_bytes(memory.available_bytes, memory.total_bytes, ranks)
+        if tiers.device_bytes == "auto" and not (device.type == "cuda" and torch.cuda.is_available()):
+            # a CPU "device" is the host's RAM: both tiers share the host half (module doc)
+            device_bytes = min(device_bytes, host_bytes // 2)
+            host_bytes -= device_bytes
     if auto:
         log.info("infinity: tier budgets per rank: device %d bytes (%s), host %d bytes (%s); %d local rank(s), %s",
                  device_bytes, format_size(device_bytes), host_bytes, format_size(host_bytes), ranks,

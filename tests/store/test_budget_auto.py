@@ -62,8 +62,20 @@ def test_device_auto_is_not_divided_by_ranks_but_cpu_device_auto_is(machine, mon
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     cuda = resolve_budgets(TiersConfig(), torch.device("cuda", 0))[Tier.DEVICE]
     assert cuda == 79 * GiB - 20 * GiB - 4 * GiB    # each rank has a GPU of its own
-    cpu = resolve_budgets(TiersConfig(), torch.device("cpu"))[Tier.DEVICE]
+    cpu = resolve_budgets(TiersConfig(host_bytes=1 * GiB), torch.device("cpu"))[Tier.DEVICE]
     assert cpu == 16 * GiB // 4                     # the CPU "device" is the shared RAM
+
+
+def test_a_cpu_device_tier_is_carved_out_of_the_host_half_when_both_are_auto(machine, monkeypatch):
+    """On a CPU both tiers are the same RAM: with both auto they share the host half (the device at most
+    half of it), so together they never take more than a CUDA run's host tier; the process keeps its half."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    half = resolve_budgets(TiersConfig(), torch.device("cuda", 0))[Tier.HOST]
+    got = resolve_budgets(TiersConfig(), torch.device("cpu"))
+    assert got[Tier.HOST] + got[Tier.DEVICE] == half
+    assert got[Tier.DEVICE] == min(16 * GiB // 4, half // 2) == half // 2   # 64 GiB / 4 ranks caps at 4 GiB
+    small = resolve_budgets(TiersConfig(device_bytes="256MiB"), torch.device("cpu"))
+    assert small == {Tier.DEVICE: 256 * 2**20, Tier.HOST: half}   # an explicit device tier is not carved out
 
 
 def test_explicit_budgets_are_taken_as_given(machine, monkeypatch):

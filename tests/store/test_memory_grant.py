@@ -174,9 +174,11 @@ def test_auto_budgets_follow_the_grant(tmp_path, monkeypatch):
     monkeypatch.setattr(memory_grant, "find_grant", lambda *a, **k: real(proc, str(tmp_path)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     got = resolve_budgets(TiersConfig(), torch.device("cpu"))
-    assert got[Tier.DEVICE] == int(12 * GiB * CPU_DEVICE_FRACTION) // 2
-    assert got[Tier.HOST] == auto_host_bytes(10 * GiB, 12 * GiB, 2)
-    assert got[Tier.HOST] == (10 * GiB - 2 * GiB) // 2 // 2    # OS reserve: the 2 GiB minimum
+    half = auto_host_bytes(10 * GiB, 12 * GiB, 2)
+    assert half == (10 * GiB - 2 * GiB) // 2 // 2    # OS reserve: the 2 GiB minimum
+    # a CPU device: both tiers out of the host half, the device's 1/4 of the grant capped at half of it
+    assert got[Tier.DEVICE] == min(int(12 * GiB * CPU_DEVICE_FRACTION) // 2, half // 2)
+    assert got[Tier.HOST] + got[Tier.DEVICE] == half
 
 
 _CHILD = """
@@ -214,14 +216,15 @@ def test_a_process_inside_a_real_memory_cgroup_sizes_auto_budgets_from_its_grant
     for mem in (seen["before"], seen["after"]):
         assert mem["grant"] is not None and mem["grant"]["limit_bytes"] == limit and mem["total_bytes"] == limit
         assert mem["physical_total_bytes"] > limit
-    assert seen["budgets"]["device"] == int(limit * CPU_DEVICE_FRACTION) // 2
+    device = seen["budgets"]["device"]
     # the child's charge moves while it runs; v1 charges in per-CPU batches of 64 pages
     batch = 64 * os.sysconf("SC_PAGE_SIZE") * os.cpu_count()
     lows = [seen[k]["available_bytes"] - batch for k in ("before", "after")]
     highs = [seen[k]["available_bytes"] + batch for k in ("before", "after")]
-    host = seen["budgets"]["host"]
-    assert auto_host_bytes(min(lows), limit, 2) <= host <= auto_host_bytes(max(highs), limit, 2)
-    assert 0 < host <= auto_host_bytes(limit, limit, 2)
+    half = seen["budgets"]["host"] + device   # a CPU device: both tiers share the host half
+    assert auto_host_bytes(min(lows), limit, 2) <= half <= auto_host_bytes(max(highs), limit, 2)
+    assert 0 < half <= auto_host_bytes(limit, limit, 2)
+    assert device == min(int(limit * CPU_DEVICE_FRACTION) // 2, half // 2)
 
 
 def test_a_failure_inside_the_grant_still_kills_its_processes_and_removes_the_cgroup():
