@@ -74,7 +74,7 @@ def test_a_cpu_device_tier_is_carved_out_of_the_host_half_when_both_are_auto(mac
     got = resolve_budgets(TiersConfig(), torch.device("cpu"))
     assert got[Tier.HOST] + got[Tier.DEVICE] == half
     assert got[Tier.DEVICE] == min(16 * GiB // 4, half // 2) == half // 2   # 64 GiB / 4 ranks caps at 4 GiB
-    small = resolve_budgets(TiersConfig(device_bytes="256MiB"), torch.device("cpu"))
+    small = resolve_budgets(TiersConfig(device_bytes=256 * 2**20), torch.device("cpu"))
     assert small == {Tier.DEVICE: 256 * 2**20, Tier.HOST: half}   # an explicit device tier is not carved out
 
 
