@@ -1,6 +1,6 @@
 """A DeepSpeed user's Trainer fine-tune inside a container's memory grant, beside the stock Trainer.
 
-    sudo python tools/bench_trainer_offload.py [--size medium] [--grant 1:6GiB,2:10GiB] [--world 1,2] [--steps 4]
+    sudo python tools/bench_trainer_offload.py [--size medium] [--grant 1:6GiB,2:8GiB] [--world 1,2] [--steps 4]
                                                [--block-size 256] [--work DIR] [--timeout-s 3600] [--json]
 
 Writes (once, cached in ``--work``) a local pretrained checkpoint: a GPT-2 of ``--size`` (``small``,
@@ -88,7 +88,7 @@ BUDGET_LINE = re.compile(r"\[rank (\d+)\] infinity: tier budgets per rank: devic
 
 
 def parse_grants(text: str, worlds: list) -> dict:
-    """``--grant``: one size for every world size, or ``N:SIZE`` pairs (``1:6GiB,2:10GiB``)."""
+    """``--grant``: one size for every world size, or ``N:SIZE`` pairs (``1:6GiB,2:8GiB``)."""
     from infinity.config import parse_size
 
     if ":" not in text:
@@ -428,8 +428,8 @@ def _gib(n) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="medium", help="small, medium (355M), large, or n_layer=..,n_embd=..,n_head=..")
-    p.add_argument("--grant", default="1:6GiB,2:10GiB", help="the memory grant each infinity run gets (a cgroup "
-                   "limit): one size, or N:SIZE,... per world size (default 1:6GiB,2:10GiB)")
+    p.add_argument("--grant", default="1:6GiB,2:8GiB", help="the memory grant each infinity run gets (a cgroup "
+                   "limit): one size, or N:SIZE,... per world size (default 1:6GiB,2:8GiB)")
     p.add_argument("--world", default="1,2", help="world sizes, comma-separated")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--block-size", type=int, default=256)

@@ -123,15 +123,19 @@ def _read_words(path: str) -> set:
         return set()
 
 
+def _lines(path: str) -> list:
+    """A small proc file's lines; none if it cannot be read (no such process, no such file system)."""
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
 def _read_memberships(path: str) -> dict:
     """``/proc/<pid>/cgroup`` as {controller: cgroup path}; the v2 line ("0::/path") under ""."""
     out: dict = {}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
+    for line in _lines(path):
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -147,12 +151,7 @@ def _read_memberships(path: str) -> dict:
 def _read_mounts(path: str) -> list:
     """``/proc/<pid>/mountinfo`` as ``(fstype, super options, root within the hierarchy, mount point)``."""
     out = []
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return out
-    for line in lines:
+    for line in _lines(path):
         fields = line.split()
         if "-" not in fields:
             continue
