@@ -123,9 +123,10 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device,
     auto = "auto" in (tiers.device_bytes, tiers.host_bytes)
     ranks = local_ranks() if auto else 1
     memory = host_memory() if auto else None   # RAM this process may use: the machine's, or its cgroup's grant
+    on_cuda = device.type == "cuda" and torch.cuda.is_available()
     if tiers.device_bytes != "auto":
         device_bytes = tiers.device_bytes
-    elif device.type == "cuda" and torch.cuda.is_available():
+    elif on_cuda:
         free, total = torch.cuda.mem_get_info(device)   # CUDA-only: this device's (free, total) bytes
         device_bytes = auto_device_bytes(free, total, headroom)
     else:
@@ -134,7 +135,7 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device,
         host_bytes = tiers.host_bytes
     else:
         host_bytes = auto_host_bytes(memory.available_bytes, memory.total_bytes, ranks)
-        if tiers.device_bytes == "auto" and not (device.type == "cuda" and torch.cuda.is_available()):
+        if tiers.device_bytes == "auto" and not on_cuda:
             # a CPU "device" is the host's RAM: both tiers share the host half (module doc)
             device_bytes = min(device_bytes, host_bytes // 2)
             host_bytes -= device_bytes

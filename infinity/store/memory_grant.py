@@ -110,17 +110,9 @@ def memory_cgroup(proc: str = "/proc/self", root: str = "/") -> tuple | None:
             return 1, directory, top
     if "" in memberships:
         directory, top = _locate(mounts, memberships[""], root, lambda fstype, opts: fstype == "cgroup2")
-        if directory is not None and "memory" in _read_words(os.path.join(top, "cgroup.controllers")):
+        if directory is not None and "memory" in " ".join(_lines(os.path.join(top, "cgroup.controllers"))).split():
             return 2, directory, top
     return None
-
-
-def _read_words(path: str) -> set:
-    try:
-        with open(path) as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
 
 
 def _lines(path: str) -> list:
@@ -197,11 +189,9 @@ def _locate(mounts: list, cgroup: str, root: str, matches) -> tuple:
 
 def _read_int(path: str) -> int | None:
     """A cgroup file's number; "max" is :data:`UNLIMITED_BYTES`; None when missing or unreadable."""
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
+    text = " ".join(_lines(path)).strip()
+    if not text:
+        return None   # missing or unreadable
     if text == "max":
         return UNLIMITED_BYTES
     try:

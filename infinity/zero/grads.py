@@ -30,6 +30,8 @@ stored gradient costs no extra read and write.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 from infinity.zero.units import TensorClass
@@ -79,7 +81,7 @@ class GradBuffers:
         return max(peak, self._peak_bytes)
 
 
-class GradReducer:
+class GradReducer(abc.ABC):
     """This rank's gradient path: the part every stage shares (the hooks' gradients into full
     gradients, fp16's overflow flag, the clip norm and the multiplier, lazy zeroing). Built with what it uses:
 
@@ -111,8 +113,9 @@ class GradReducer:
         self.norm_coll = norm_coll
         self.overflow_coll = overflow_coll if overflow_coll is not None else coll
 
+    @abc.abstractmethod
     def build(self) -> None:
-        raise NotImplementedError
+        """Lay out every unit's gradient: one arena (stages 0-1) or a zero shard per unit (stages 2-3)."""
 
     # ------------------------------------------------------------ backward
 
@@ -154,11 +157,13 @@ class GradReducer:
         unit.unwritten = None
         unit.reduced = True
 
+    @abc.abstractmethod
     def _reduce(self, unit) -> None:
-        raise NotImplementedError
+        """``unit``'s full gradient is final for this backward: launch its reduction (if the stage reduces now)."""
 
+    @abc.abstractmethod
     def _wait_all(self) -> None:
-        raise NotImplementedError
+        """Wait for every reduction this backward launched."""
 
     def begin_backward(self) -> None:
         """A backward pass starts."""

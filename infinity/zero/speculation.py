@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass, field
 
 from infinity.store import StoreError, Tier
 from infinity.zero.placement import OPTIMIZER_CLASSES
@@ -252,12 +253,14 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
         self._outcome, self._unclipped = None, None
 
 
+@dataclass
 class _Speculation:
     """One step's speculation: the multiplier and hyper-parameters its updates used, the units submitted,
     whether a try failed, and a redo's times."""
 
-    def __init__(self, scale: float, hyper):
-        self.scale, self.hyper = scale, hyper
-        self.units: list = []
-        self.failed = False
-        self.redo_s = self.redo_adam_s = 0.0
+    scale: float
+    hyper: object
+    units: list = field(default_factory=list)
+    failed: bool = False
+    redo_s: float = 0.0
+    redo_adam_s: float = 0.0
