@@ -255,6 +255,13 @@ class ZeroConfig:
         "true = every unit; a count N = the first N units only (the rest keep theirs: less memory saved, "
         "less recomputed)")
 
+    activation_offload: str = _f(
+        "none", _choice(*TIERS), "where each unit's saved activations wait between its forward and its backward: "
+        "host or nvme (tiers.nvme_path), through the store's budgets and I/O, brought back in backward up to "
+        "prefetch.bytes ahead; bitwise the same training. A checkpointed unit (activation_checkpointing) saves "
+        "only its input, any other unit every tensor its backward needs (parameters and tensors under 64KiB "
+        "stay). none = kept in device memory")
+
     def checkpointed_units(self, blocks: int) -> int:
         """How many of ``blocks`` units (the root excluded) ``activation_checkpointing`` recomputes."""
         ckpt = self.activation_checkpointing
@@ -621,10 +628,11 @@ class Config:
     def _check_cross_fields(self):
         self._check_finite()
         off = self.offload
-        on_nvme = [k for k in ("optimizer", "params", "grads") if getattr(off, k) == "nvme"]
+        on_nvme = [f"offload.{k}" for k in ("optimizer", "params", "grads") if getattr(off, k) == "nvme"]
+        on_nvme += ["zero.activation_offload"] if self.zero.activation_offload == "nvme" else []
         if on_nvme and not self.tiers.nvme_path:
             raise ConfigError(
-                f"tiers.nvme_path: required because offload.{on_nvme[0]} is 'nvme'; "
+                f"tiers.nvme_path: required because {on_nvme[0]} is 'nvme'; "
                 "set it to a directory on a fast local disk")
         if off.params != "none" and self.zero.stage != 3:
             raise ConfigError(

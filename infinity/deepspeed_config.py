@@ -16,7 +16,7 @@ Every key DeepSpeed documents for ZeRO-Infinity has one of three fates, listed i
   counts, ``overlap_comm``) whose job infinity does its own way, sized from its own config:
   one log line per process names it and why, then it is ignored.
 - **refused**: a value whose meaning infinity cannot honour (a partial optimizer offload
-  ``ratio``, an optimizer other than Adam/AdamW, ``cpu_checkpointing``): a :class:`ConfigError`
+  ``ratio``, an optimizer other than Adam/AdamW): a :class:`ConfigError`
   naming the key. The value that is infinity's own behaviour (``ratio: 1``) is accepted.
 
 An unknown key is a ``ConfigError`` naming it and listing the keys its section takes.
@@ -223,8 +223,9 @@ KEYS: dict = {k.path: k for k in (
        "units by zero.activation_checkpointing, which the Trainer's gradient_checkpointing sets"),
     _k("activation_checkpointing.partition_activations", SIZED, note="activations are not split over "
        "tensor-parallel ranks"),
-    _k("activation_checkpointing.cpu_checkpointing", REFUSED, note="checkpointed activations stay in device memory",
-       accepted=(False,)),
+    _k("activation_checkpointing.cpu_checkpointing", MAPS, "zero.activation_offload",
+       "true -> host (with zero.activation_checkpointing: each checkpointed unit's input waits in host memory "
+       "until its backward); under a Trainer it needs gradient_checkpointing, as DeepSpeed's does"),
     _k("activation_checkpointing.contiguous_memory_optimization", SIZED, note="torch's allocator holds them"),
     _k("activation_checkpointing.number_checkpoints", SIZED, note="one checkpoint per unit"),
     _k("activation_checkpointing.synchronize_checkpoint_boundary", SIZED, note="no synchronization is needed"),
@@ -460,6 +461,13 @@ class _Reader:
         self.put("zero", "stage", stage)
         if self.trainer is not None and self.trainer.gradient_checkpointing:
             self.put("zero", "activation_checkpointing", True)
+        if self.flag("activation_checkpointing.cpu_checkpointing", False) is True:
+            if self.trainer is not None and not self.trainer.gradient_checkpointing:
+                raise ConfigError("DeepSpeed activation_checkpointing.cpu_checkpointing: true moves checkpointed "
+                                  "activations, and TrainingArguments gradient_checkpointing is off; turn it on, "
+                                  "or set cpu_checkpointing false")
+            self.put("zero", "activation_checkpointing", True)
+            self.put("zero", "activation_offload", "host")
         params = self._device(f"{z}.offload_param")
         optimizer = self._device(f"{z}.offload_optimizer")
         if params != "none" and stage != 3:

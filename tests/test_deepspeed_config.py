@@ -87,6 +87,23 @@ def test_auto_values_are_filled_from_the_trainer_arguments():
                           gradient_checkpointing).config.zero.activation_checkpointing is True
 
 
+def test_cpu_checkpointing_offloads_the_checkpointed_inputs_to_host_memory():
+    """DeepSpeed's ``cpu_checkpointing`` keeps each checkpointed activation in CPU memory until its backward:
+    infinity's ``zero.activation_offload: host`` with the units checkpointed. Under a Trainer that does not
+    checkpoint, DeepSpeed's flag would move nothing: refused, naming both."""
+    ds = {"zero_optimization": {"stage": 3}, "activation_checkpointing": {"cpu_checkpointing": True}}
+    zero = Config.from_dict(ds).zero
+    assert (zero.activation_checkpointing, zero.activation_offload) == (True, "host")
+    checkpointing = TrainerValues(**{**TRAINER.__dict__, "gradient_checkpointing": True, "bf16": None})
+    zero = read_deepspeed(dict(ds, bf16={"enabled": "auto"}), checkpointing).config.zero
+    assert (zero.activation_checkpointing, zero.activation_offload) == (True, "host")
+    with pytest.raises(ConfigError, match="cpu_checkpointing: true moves checkpointed activations, and "
+                                          "TrainingArguments gradient_checkpointing is off"):
+        read_deepspeed(dict(ds, bf16={"enabled": "auto"}), TRAINER)
+    assert Config.from_dict({**ds, "activation_checkpointing": {"cpu_checkpointing": False}}).zero.activation_offload \
+        == "none"
+
+
 @pytest.mark.parametrize("key, value, named", [
     ("gradient_accumulation_steps", 4, "gradient_accumulation_steps=4 disagrees with TrainingArguments "
                                        "gradient_accumulation_steps=2"),
@@ -125,7 +142,6 @@ def test_an_unknown_key_is_one_line_naming_it_and_the_valid_ones(patch, named):
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "optimizer.params.adam_w_mode: False"),
     ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type: 'OneCycle' cannot be honoured"),
     ({"fp16": {"enabled": True, "min_loss_scale": 1e-4}}, "fp16.min_loss_scale: 0.0001 cannot be honoured"),
-    ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing: True"),
     ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 0}},
      "zero_optimization.stage3_max_live_parameters: 0 cannot be honoured"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},

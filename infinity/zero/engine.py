@@ -71,6 +71,7 @@ from infinity.store.budget import DeviceHeadroom, resolve_budgets
 from infinity.trace import Tracer
 from infinity.zero import hooks
 from infinity.zero import materialize as meta
+from infinity.zero.activations import ActivationOffload
 from infinity.zero.gathers import ReplicatedParams, UnitGathers
 from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.hyper import GroupHyper
@@ -138,6 +139,7 @@ class ZeroEngine:
         self._overflow = False       # fp16: this step's gradients overflowed (known once REDUCED)
         self.hyper = GroupHyper(param_groups)
         self.store: TensorStore | None = None
+        self.activations: ActivationOffload | None = None   # zero.activation_offload
         self._handles: list = []
         self._closed = False
         self._requires_sync = True   # False inside no_sync(): the backward is not the step's last
@@ -173,7 +175,8 @@ class ZeroEngine:
             self.unit_comm = UnitCollectives(self.coll)
 
         sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
-        if self.placement.any_offload:   # refused before anything is written
+        offload_activations = config.zero.activation_offload != "none"
+        if self.placement.any_offload or offload_activations:   # refused before anything is written
             # device auto leaves room for what the step holds outside the store: gathered parameters
             # (stage 3: the live cap; else all), their gradients and one reduce bucket
             gathered = self.max_live_bytes if self.policy.shard_params else sum(full_bytes.values())
@@ -183,11 +186,14 @@ class ZeroEngine:
             self.placement.check_budgets(self.units, *sizes, budgets)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
-            if self.placement.any_offload:
+            if self.placement.any_offload or offload_activations:
                 self.store = TensorStore(config.tiers, config.io, device=self.device, rank=self.world_rank,
                                          budgets=budgets)   # "auto" measured once, checked above
-                self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
                 self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
+            if self.placement.any_offload:
+                self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
+            self.activations = ActivationOffload(self.store, config.zero.activation_offload, self.device,
+                                                 config.prefetch.bytes) if offload_activations else None
             self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,
                                         self.shard_rank, self.rank, self.hyper, self.tracer, config.optimizer,
                                         config.schedule.accum_steps)
@@ -207,7 +213,8 @@ class ZeroEngine:
             self.grads.build()
             self._handles = hooks.install(self, model, self.units, self.policy.shard_params,
                                           config.zero.checkpointed_units(sum(not u.is_root for u in self.units)),
-                                          wait_units=self.update.waits_before_use and not self.policy.shard_params)
+                                          wait_units=self.update.waits_before_use and not self.policy.shard_params,
+                                          offload_saves=offload_activations)
         except BaseException:
             self.close()
             raise
@@ -247,7 +254,7 @@ class ZeroEngine:
         for slot, p in zip(unit.slots, unit.params):
             p.data = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
-        shard = self._new_shard(unit) if self.store else UnitShard()
+        shard = self._new_shard(unit) if self.placement.any_offload else UnitShard()
         # stage 3: the shard must own its bytes, the full buffer is freed when the unit is released
         param_shard = full[lo:hi].clone() if self.policy.shard_params else full[lo:hi]
         shard.put(TensorClass.PARAM, param_shard)
@@ -357,6 +364,14 @@ class ZeroEngine:
         """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
         self.gathers.acquire(unit)
 
+    def unit_saves_begin(self, unit) -> None:
+        """The unit's training forward starts: what autograd saves for its backward goes to the tier."""
+        self.activations.begin_unit(unit)
+
+    def unit_saves_end(self, unit) -> None:
+        """The unit's forward ended (or raised): autograd's saves are kept again; a failed write raises."""
+        self.activations.end_unit()
+
     @_engine_time
     def enter_backward(self) -> None:
         if self.phase is StepPhase.BACKWARD:
@@ -369,6 +384,8 @@ class ZeroEngine:
         # before any gradient of this backward is written: a launched update (reading them) is finished
         self.update.begin_backward(self._requires_sync)
         self.grads.begin_backward()
+        if self.activations is not None:
+            self.activations.begin_backward()
         self._go(StepPhase.BACKWARD)
         self.stats.start("backward")
         # runs once the whole backward pass is done: flush reductions, release stage-3 units
@@ -462,6 +479,8 @@ class ZeroEngine:
     def _end_step(self) -> None:
         for unit in self.units:
             unit.clear_update()
+        if self.activations is not None:   # the step's graphs are freed: their keys go before the stats
+            self.activations.release_dropped()
         self.grads.multiplier = 1.0
         self._go(StepPhase.IDLE)
         self.gathers.end_step(self.coll.all_agree)
@@ -585,6 +604,7 @@ class ZeroEngine:
         errors = []
         update, gathers = getattr(self, "update", None), getattr(self, "gathers", None)
         for part in filter(None, (update and update.drain, self._remove_hooks, self._finish_folds,
+                                    self.activations and self.activations.close,
                                     getattr(self, "_finalizer", None), gathers and gathers.buffers.trim,
                                     host_cache.trim)):   # the cache's blocks back to the OS too
             try:

@@ -29,6 +29,12 @@ in backward. The recompute runs the unit's forward hooks again inside the
 backward pass; there the unit is already gathered for its backward, so the
 pre-hook only makes sure of that (``unit_pre_recompute``) and the post-hook does nothing.
 
+With ``zero.activation_offload`` each unit module (the root is never one) gets two more hooks around
+everything else: a forward pre-hook ahead of the others (ahead of the checkpoint's too, so the checkpointed
+unit's saved input is caught) calls ``unit_saves_begin`` in a training forward, and a forward hook that
+runs last, also when the forward raised, calls ``unit_saves_end``. Between them autograd's saves go through
+the engine's :class:`~infinity.zero.activations.ActivationOffload`. A recompute calls neither.
+
 Nothing is attached to parameters or modules beyond these removable handles
 (the checkpointing hooks, when on, stay with the modules).
 """
@@ -99,14 +105,17 @@ class HookTarget(Protocol):
     def enter_backward(self) -> None: ...
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None: ...
     def drain_update(self) -> None: ...                            # a launched update finishes first
+    def unit_saves_begin(self, unit) -> None: ...                  # zero.activation_offload
+    def unit_saves_end(self, unit) -> None: ...
 
 
 def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: int = 0,
-            wait_units: bool = False) -> list:
+            wait_units: bool = False, offload_saves: bool = False) -> list:
     """Register every hook on ``model`` and its ``units``' modules (the unit hooks only when
     ``shard_params``: stage 3 gathers per unit; with ``wait_units`` only the unit pre-hooks, which
-    wait for the unit's launched update), and activation checkpointing on the first
-    ``checkpoint_units`` unit modules (the root is never one); returns the removable handles."""
+    wait for the unit's launched update), activation checkpointing on the first
+    ``checkpoint_units`` unit modules (the root is never one), and with ``offload_saves`` the hooks that
+    route each unit's saved activations; returns the removable handles."""
     handles = []
 
     def root_pre(module, args):
@@ -142,6 +151,13 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
         for unit in units:
             if not unit.is_root:
                 handles.append(unit.module.register_forward_pre_hook(_unit_pre(target, unit)))
+
+    if offload_saves:   # last: the pre-hook goes first of all, the post-hook runs after every other
+        for unit in units:
+            if not unit.is_root:
+                pre, post = _unit_saves(target, unit)
+                handles.append(unit.module.register_forward_pre_hook(pre, prepend=True))
+                handles.append(unit.module.register_forward_hook(post, always_call=True))
 
     # a parameter's hooks are held by the tensor in C++, where the garbage collector cannot follow
     # them: a closure holding the engine or a unit (which holds the parameter) would keep the engine
@@ -186,3 +202,19 @@ def _unit_post(target, unit):
                 register_multi_grad_hook(tensors, lambda grad: target.unit_pre_backward(unit), mode="any")
         return None
     return post
+
+
+def _unit_saves(target, unit):
+    began = []   # whether this forward's pre-hook began routing saves (not in a recompute or no_grad pass)
+
+    def pre(module, args):
+        if torch.is_grad_enabled() and not _recomputing():
+            target.unit_saves_begin(unit)
+            began.append(True)
+
+    def post(module, args, out):
+        if began:
+            began.pop()
+            target.unit_saves_end(unit)
+        return None
+    return pre, post

@@ -229,6 +229,10 @@ class UnitShard:
     def is_alias(self, cls: TensorClass, other: TensorClass) -> bool:
         return self.has(cls) and self.has(other) and self.get(cls) is self.get(other)
 
+    def resident_bytes(self) -> int:
+        """Bytes of NVMe-placed chunks homed in host memory instead: none (nothing here is stored)."""
+        return 0
+
     @contextlib.contextmanager
     def update(self, cls: TensorClass):
         """``with shard.update(cls) as t:`` change a class in place."""
