@@ -116,13 +116,13 @@ class ActivationOffload:
     def pack(self, t: torch.Tensor):
         """Autograd saves ``t``: a :class:`SavedActivation` for a tensor worth moving, else ``t`` itself."""
         if not self._worth_moving(t):
-            return t
+            return _kept(t)
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t:
             return seen[1]
         flat = dense_flat(t)
         if flat is None:
-            return t   # a view with gaps: rebuilding its layout would need its whole storage
+            return _kept(t)   # a view with gaps: rebuilding its layout would need its whole storage
         seq = next(self._seq)
         key = f"activation/{seq}"
         try:
@@ -156,8 +156,8 @@ class ActivationOffload:
             if wait and failed is None:
                 try:
                     self.store.wait(handle.written)
-                except (StoreError, OSError):
-                    pass   # raised below, with the rest settled first
+                except (StoreError, OSError) as e:
+                    e.__traceback__ = None   # raised below, with the rest settled first (see _wait)
             if not handle.written.done():
                 self._settling.append(ref)
                 continue
@@ -265,10 +265,22 @@ class ActivationOffload:
         self.release_dropped()
 
 
+def _kept(t: torch.Tensor) -> torch.Tensor:
+    """A tensor saved as it is. Detached when it has a node: an output saved by its own node, held whole,
+    would hold that node (a cycle through C++ the collector cannot see), so a forward never followed by a
+    backward would keep its graph, and the handles in it, for good; autograd rejoins an unpacked output to
+    its node itself."""
+    return t.detach() if t.grad_fn is not None else t
+
+
 def _wait(store, fut: cf.Future, handle: SavedActivation, doing: str):
     try:
         return store.wait(fut)
     except (StoreError, OSError) as e:
+        # the future keeps its exception, and a re-raise appends our frames (which hold the handle) to its
+        # traceback: cut it, or the store's record would keep the handle, and so the key, alive for good
+        e.__traceback__ = None
+        handle.brought = None
         raise ActivationOffloadError(f"activation offload: {doing} unit {handle.unit}'s activation "
                                      f"({_size(handle)}) failed: {_cause(e)}") from e
 

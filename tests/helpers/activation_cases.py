@@ -9,6 +9,7 @@ process, with the saved activations kept and offloaded, and returns both runs' l
 from __future__ import annotations
 
 import errno
+import gc
 import os
 
 import torch
@@ -174,5 +175,69 @@ def failure_case(spec: dict) -> dict:
     def run(out):
         _train(spec, "none", os.path.join(spec["tmp"], "keep"), out.setdefault("ref", {}))
         _train(spec, "nvme", os.path.join(spec["tmp"], "off"), out.setdefault("got", {}), fail=fail)
+        return out
+    return caught(run)
+
+
+def abandoned_forward_case(spec: dict) -> dict:
+    """Forwards under grad whose outputs are dropped without a backward (stage 3, recompute off: every
+    saved tensor worth moving goes to NVMe)."""
+    import infinity
+
+    def run(out):
+        torch.manual_seed(0)
+        model, opt = infinity.initialize(Net(), config(dict(stage=3, ckpt=False), "nvme", spec["tmp"]))
+        engine = infinity.engine_of(model)
+        try:
+            for step in range(2):
+                loss = model(input_ids=local_ids(step), labels=local_ids(step)).loss
+                out["pending_before"] = engine.activations.pending()
+                del loss
+            gc.collect()   # an abandoned forward's graph is collected as garbage (with or without offload)
+            out["pending_after"] = engine.activations.pending()
+            out["keys_after"] = [k for k in engine.store.keys() if k.startswith("activation/")]
+            out["saved_bytes"] = engine.activations.stats["saved_bytes"]
+        finally:
+            engine.close()
+        return out
+    return caught(run)
+
+
+def resume_case(spec: dict) -> dict:
+    """Three steps with the activations on NVMe, a checkpoint after the second; a fresh engine loads it and
+    runs the third. Both third steps, and a run keeping the activations, must agree bitwise."""
+    import infinity
+
+    def engine_for(offload, tmp):
+        torch.manual_seed(0)
+        model, opt = infinity.initialize(Net(), config(dict(stage=3, ckpt=True), offload, tmp))
+        return model, opt, infinity.engine_of(model)
+
+    def step(model, opt, i):
+        ids = local_ids(i)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return mean_over_ranks(loss)
+
+    def run(out):
+        ckpt = os.path.join(spec["tmp"], "ckpt")
+        for name, offload in (("keep", "none"), ("off", "nvme")):
+            model, opt, engine = engine_for(offload, os.path.join(spec["tmp"], name))
+            try:
+                losses = [step(model, opt, i) for i in range(2)]
+                if name == "off":
+                    infinity.save_checkpoint(ckpt, model, opt)
+                losses.append(step(model, opt, 2))
+                out[name] = {"losses": losses, "params": full_params(model, engine)}
+            finally:
+                engine.close()
+        model, opt, engine = engine_for("nvme", os.path.join(spec["tmp"], "resumed"))
+        try:
+            infinity.load_checkpoint(ckpt, model, opt)
+            out["resumed"] = {"losses": [step(model, opt, 2)], "params": full_params(model, engine)}
+        finally:
+            engine.close()
         return out
     return caught(run)

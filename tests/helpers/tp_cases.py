@@ -61,6 +61,10 @@ def tp_config(spec: dict) -> dict:
     if spec.get("host"):
         cfg["offload"] = {"optimizer": "host"}
         cfg["optimizer"]["update_at"] = "auto" if spec.get("overlap") else "step"
+    if spec.get("activations"):   # {"activation_checkpointing": ..., "activation_offload": ..., "nvme_path": ...}
+        act = dict(spec["activations"])
+        cfg.setdefault("tiers", {})["nvme_path"] = act.pop("nvme_path")
+        cfg["zero"].update(act)
     return cfg
 
 
@@ -82,6 +86,14 @@ def full_params(model, engine) -> dict | None:
 def train_tp_case(spec: dict) -> dict:
     """Train the spec; world rank 0 returns losses, norms, full params, and per-step stats."""
     import infinity
+    from infinity.zero import activations
+
+    if "activation_min_bytes" in spec:   # the test's activations are small: let every one of them move
+        before, activations.MIN_BYTES = activations.MIN_BYTES, spec["activation_min_bytes"]
+        try:
+            return train_tp_case({k: v for k, v in spec.items() if k != "activation_min_bytes"})
+        finally:
+            activations.MIN_BYTES = before
 
     model = build_tp_model(spec["model"], spec.get("seed", 0))
     model, opt = infinity.initialize(model, tp_config(spec), params=param_groups(model, spec),
@@ -114,6 +126,7 @@ def train_tp_case(spec: dict) -> dict:
         replicated_equal = all(torch.equal(e[n], rep[n]) for e in every for n in rep)
     resident = engine.resident_bytes()
     out = {"losses": losses, "norms": norms, "params": params, "stats": stats, "replicated_equal": replicated_equal,
+           "activations": dict(engine.activations.stats) if engine.activations is not None else None,
            "resident": resident, "psi": engine.padded_numel, "dp": dp, "tp": engine.tp.size if engine.tp else 1,
            "root_psi": sum(u.padded_numel for u in engine.units if u.is_root), "skipped": opt.skipped_steps}
     engine.close()

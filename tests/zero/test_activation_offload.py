@@ -76,6 +76,34 @@ def test_offloaded_activations_train_bitwise_equal_world_2(worlds, tmp_path, sta
         assert_same_run(r, f"rank {rank}, stage {stage}, {tier}")
 
 
+def test_checkpoint_and_resume_are_unaffected(worlds, tmp_path):
+    r = ok(worlds(2).run(activation_cases.resume_case, dict(tmp=str(tmp_path)), timeout_s=TIMEOUT_S))[0]
+    assert r["off"]["losses"] == r["keep"]["losses"] and r["resumed"]["losses"] == r["keep"]["losses"][2:]
+    for run in ("off", "resumed"):
+        assert all(torch.equal(r[run]["params"][n], p) for n, p in r["keep"]["params"].items()), run
+
+
+@pytest.mark.parametrize("sp", (False, True), ids=("tp2", "tp2-sp"))
+def test_offload_under_tensor_and_sequence_parallelism(worlds, tmp_path, sp):
+    """tp2 (world 2), the built-in GPT at stage 3: every saved tensor moved (the size floor lifted, as these
+    activations are small) with and without recompute; bitwise the run that keeps them."""
+    import tp_cases
+
+    base = dict(model="gpt", steps=2, batch=8, lr=1e-2, stage=3, tp=2, sp=sp)
+    specs = [base]
+    for ckpt, tier in ((True, "nvme"), (False, "host")):
+        specs.append(dict(base, activation_min_bytes=0, activations={
+            "activation_checkpointing": ckpt, "activation_offload": tier, "nvme_path": str(tmp_path / f"{tier}")}))
+    runs = worlds(2).run(tp_cases.many_tp, specs, timeout_s=TIMEOUT_S)[0]
+    keep = runs[0]
+    for spec, got in zip(specs[1:], runs[1:]):
+        what = str(spec["activations"])
+        assert got["activations"]["saved_bytes"] > 0 and \
+            got["activations"]["restored_bytes"] == got["activations"]["saved_bytes"], what
+        assert got["losses"] == keep["losses"], what
+        assert all(torch.equal(got["params"][n], p) for n, p in keep["params"].items()), what
+
+
 @pytest.mark.parametrize("fault,says", (("enospc", "No space left on device"),
                                         ("corrupt", "checksum")))
 def test_a_failed_activation_write_or_read_is_one_line_and_the_step_runs_again(worlds, tmp_path, fault, says):
@@ -85,6 +113,7 @@ def test_a_failed_activation_write_or_read_is_one_line_and_the_step_runs_again(w
     assert len(errors) == 1 and errors[0].startswith("ActivationOffloadError: activation offload: "), errors
     assert says in errors[0] and "unit " in errors[0], errors[0]
     assert r["got"]["losses"] == r["ref"]["losses"]
+    assert not any(r["got"]["leftover_keys"]) and not any(r["got"]["pending"]), "the failed forward's keys were kept"
     assert all(torch.equal(r["got"]["params"][n], p) for n, p in r["ref"]["params"].items()), \
         f"{fault}: the run after the failed micro-step does not end where the reference does"
 
@@ -135,19 +164,27 @@ def test_pack_and_unpack_rebuild_layout_and_bytes_and_release_the_key(offload):
     packed = [offload.pack(t) for t in (base, permuted, mask, big_mask, param, base)]
     offload.end_unit()
     assert isinstance(packed[0], SavedActivation) and isinstance(packed[1], SavedActivation)
-    assert packed[2] is mask and packed[4] is param and isinstance(packed[3], SavedActivation)
+    assert torch.equal(packed[2], mask) and packed[4] is param and isinstance(packed[3], SavedActivation)
     assert packed[5] is packed[0]                    # the same tensor saved twice is stored once
     assert offload.stats["saved_bytes"] == 2 * base.numel() * 4 + big_mask.numel()
     for original, handle in zip((base, permuted, big_mask), (packed[0], packed[1], packed[3])):
         back = offload.unpack(handle)
         assert back.stride() == original.stride() and back.dtype == original.dtype
         assert torch.equal(back, original) and back.data_ptr() != original.data_ptr()
-    assert offload.unpack(mask) is mask
+    assert offload.unpack(packed[2]) is packed[2]
     assert offload.pending() == 3
     keys = [h.key for h in (packed[0], packed[1], packed[3])]
     del packed, handle
     assert offload.pending() == 0 and not any(k in offload.store for k in keys)
     assert offload.store.stats()["tier_bytes"]["host"] == 0
+
+
+def test_a_forward_never_followed_by_backward_releases_its_keys(worlds, tmp_path):
+    """An evaluation under grad, or a forward abandoned by an exception: once its outputs are dropped and the
+    collector has run, every key it saved is released (what the hooks return keeps no graph alive for good)."""
+    r = ok(worlds(1).run(activation_cases.abandoned_forward_case, dict(tmp=str(tmp_path)), timeout_s=TIMEOUT_S))[0]
+    assert r["saved_bytes"] > 0 and r["pending_before"] > 0
+    assert r["pending_after"] == 0 and r["keys_after"] == [], r
 
 
 def test_prefetch_brings_the_next_saves_home_in_reverse_order_within_its_bytes(tmp_path):
