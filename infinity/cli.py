@@ -54,6 +54,11 @@ def _add_estimate(sub) -> None:
     p.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="tokens per dp rank per step, for the tp-axis bytes and the activations of the peak-RSS "
                         "bound (default: the model's block size)")
+    p.add_argument("--seq", metavar="L[,L...]", default=None,
+                   help="also the activations a micro-batch saves at each sequence length (needs --model; the "
+                        "model's positions stretched to the longest): held in device memory, and in host memory "
+                        "or on NVMe, when kept, recomputed, and recomputed with zero.activation_offload")
+    p.add_argument("--batch", type=int, default=1, metavar="B", help="sequences per micro-batch for --seq (default 1)")
     p.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
                    help="ranks on one node, for the ZeRO++ rows' cross-node bytes (default: --config's "
                         "zeropp.ranks_per_node if set, else 8, at most --devices)")
@@ -103,6 +108,7 @@ def _run_estimate(args) -> int:
     if config is not None and args.model is not None and config.parallel.tensor == 1:
         from infinity.estimate.peak_rss import gpt_bound
         memory = gpt_bound(model_cfg, config, args.devices, args.tokens)
+    activations = _activation_rows(args, model_cfg if args.model else None, config) if args.seq is not None else None
     with_config = config is not None and config.zeropp.enabled
     extra = (ZeroPPSwitches.from_config(config.zeropp),) if with_config else ()
     pp_rows = zeropp_rows(num_params, args.devices, per_node, precision, ZEROPP_ROWS + extra)
@@ -116,6 +122,8 @@ def _run_estimate(args) -> int:
             out["memory"] = {k: v for k, v in memory.items() if k != "lines"}
         if args.tp > 1:
             out["tensor_parallel"] = _tp_rows(args)
+        if activations is not None:
+            out["activations"] = activations
         print(json.dumps(out, indent=2))
         return 0
 
@@ -140,9 +148,66 @@ def _run_estimate(args) -> int:
         print("(peak-RSS bound and minimum tier budgets: need --model and parallel.tensor 1)")
     if args.tp > 1:
         _print_tp(_tp_rows(args), args)
+    if activations is not None:
+        _print_activations(activations)
     _print_zeropp(pp_rows, args.devices, per_node)
     _print_formats(format_rows(precision), num_params, args.devices)
     return 0
+
+
+def _activation_rows(args, model_cfg, config) -> list:
+    """``--seq``: the built-in GPT with its positions stretched to each length, counted on the meta device."""
+    import dataclasses
+
+    import torch
+
+    from infinity.estimate.activations import activation_rows
+    from infinity.models import GPT
+    from infinity.zero.units import choose_unit_modules
+
+    if args.model is None:
+        raise UsageError("--seq needs --model (the activations are counted by running its forward on meta)")
+    try:
+        seqs = [int(x) for x in args.seq.split(",")]
+    except ValueError:
+        raise UsageError(f"--seq: expected lengths separated by commas, e.g. 1024,8192, got {args.seq!r}") from None
+    if not seqs or min(seqs) < 1 or args.batch < 1:
+        raise UsageError(f"--seq and --batch: expected positive numbers, got --seq {args.seq} --batch {args.batch}")
+    dtype = config.precision.param_dtype if config is not None else "bf16"
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(dtype, torch.bfloat16)
+
+    def build(seq):
+        with torch.device("meta"):
+            model = GPT(dataclasses.replace(model_cfg, block_size=max(seq, model_cfg.block_size))).to(dtype)
+        blocks = [m for _, m in choose_unit_modules(model)]
+
+        def forward(m):
+            ids = torch.zeros((args.batch, seq), dtype=torch.long, device="meta")
+            return m(input_ids=ids, labels=ids).loss
+        return model, blocks, forward
+    prefetch = config.prefetch.bytes if config is not None else 256 * 2**20
+    return activation_rows(build, seqs, args.batch, prefetch)
+
+
+def _print_activations(rows: list) -> None:
+    """The ``--seq`` table: bytes each choice holds in device memory (and in its tier), per sequence length."""
+    from infinity.estimate.activations import OFFLOAD_MODES
+
+    batch = rows[0]["batch"]
+    print(f"\nActivations saved for backward, one micro-batch of {batch} sequence(s) per rank, held at once: "
+          "device memory (+ host memory + NVMe)")
+    table = [("seq",) + tuple(label for label, _, _ in OFFLOAD_MODES)]
+    for r in rows:
+        cells = []
+        for label, _, off in OFFLOAD_MODES:
+            m = r["modes"][label]
+            cells.append(" + ".join([_size(m["device_bytes"])] + [f"{_size(m[k + '_bytes'])} {k}"
+                                                                  for k in ("host", "nvme") if m[k + "_bytes"]]))
+        table.append((str(r["seq"]), *cells))
+    _print_table(table)
+    print("recompute: each unit keeps only its input, one more forward per unit in backward; + host / nvme: "
+          "zero.activation_offload (device memory: the saves outside the units and two units' inputs; host memory "
+          "for nvme: what backward brings ahead, within prefetch.bytes)")
 
 
 def _print_formats(rows: list, num_params: int, devices: int) -> None:

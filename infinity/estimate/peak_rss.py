@@ -157,10 +157,13 @@ def min_budgets(units: list, config: Config) -> dict:
 
 def meta_activation_bytes(model: nn.Module, forward) -> int:
     """Bytes of the tensors ``forward(model)`` saves for backward, counted on the meta device (so nothing
-    is allocated whatever the model's size); unique storages, parameters excluded, as the engine's
-    memory report counts them."""
+    is allocated whatever the model's size; attention as a fused kernel saves it,
+    :class:`~infinity.estimate.activations.FlashOnMeta`); unique storages, parameters excluded, as the
+    engine's memory report counts them."""
+    from infinity.estimate.activations import FlashOnMeta
+
     meter = SavedTensorMeter()
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), FlashOnMeta():
         out = forward(model)
     peak = meter.peak_bytes
     del out

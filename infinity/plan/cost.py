@@ -249,6 +249,11 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     notes = []
 
     compute_f_alone, compute_b_alone = compute.forward_s(), compute.backward_s(checkpointed)
+    # zero.activation_offload: the blocks' saves leave in forward and come back in backward, each way one
+    # copy through host memory; on NVMe also written, then read back ahead of use (prefetch.bytes)
+    act_tier = config.zero.activation_offload
+    act_moved = compute.offloaded_bytes(checkpointed) if act_tier != "none" else 0
+    act_disk = act_moved if act_tier == "nvme" else 0
     phases = {p: dict.fromkeys(TERMS, 0.0) for p in PHASES}
     # a CPU device computes on the cores (and memory bus) the I/O engine uses: slowed while the disk streams
     slowdown = (rates.compute_slowdown or 1.0) if device_is_host else 1.0
@@ -259,16 +264,21 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     # forward: parameter reads, hidden behind compute by the prefetcher except the first unit's
     disk_f = _disk_s(read["forward"], 0, rates)
     first_s = _disk_s(traffic["first_read"], 0, rates)
-    compute_f = _beside_disk(compute_f_alone, disk_f, slowdown)
+    # the activations' writes share the disk; they are behind compute but for the last block's
+    disk_fa = _disk_s(read["forward"], act_disk, rates)
+    compute_f = _beside_disk(compute_f_alone, disk_fa, slowdown)
     exposed_f = max(disk_f - compute_f, min(first_s, disk_f)) if prefetching else disk_f
+    exposed_f = max(exposed_f, disk_fa - compute_f)
     gathers = traffic["moved"].get("host->device", 0)
     phases["forward"].update(compute_s=compute_f, io_wait_s=exposed_f, comm_s=comm["forward"],
-                             unattributed_s=gathers / 2 / memcpy)
+                             unattributed_s=gathers / 2 / memcpy + act_moved / memcpy)
 
     # backward: parameter reads again, gradient writes; gradients folded into flat buffers
-    disk_b = _disk_s(read["backward"], write["backward"], rates)
+    disk_b = _disk_s(read["backward"] + act_disk, write["backward"], rates)
     compute_b = _beside_disk(compute_b_alone, disk_b, slowdown)
     exposed_b = max(disk_b - compute_b, 0.0) if prefetching or not read["backward"] else disk_b
+    # the last block's saves are read before its backward, with nothing yet to hide behind
+    exposed_b += _disk_s(compute.block_offload_bytes(checkpointed), 0, rates) if act_disk else 0.0
     fresh = _fresh_grad_bytes(units, config, placement, r_size) if device_is_host else 0
     if fresh and rates.memcpy_fresh_gbps is None:
         notes.append("the profile has no fresh-memory copy rate: new gradient blocks are priced at the memcpy "
@@ -276,7 +286,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     fresh_gbps = rates.memcpy_fresh_gbps or rates.memcpy_gbps
     fold = full_numel * r_size + traffic["moved"].get("device->host", 0) - fresh
     phases["backward"].update(compute_s=compute_b, io_wait_s=exposed_b, comm_s=comm["backward"],
-                              unattributed_s=fold / memcpy + fresh / (fresh_gbps * 1e9) + gathers / 2 / memcpy)
+                              unattributed_s=fold / memcpy + fresh / (fresh_gbps * 1e9) + gathers / 2 / memcpy
+                              + act_moved / memcpy)
 
     # the step: swap-in -> Adam -> write-back, pipelined
     mode = adam_mode(config)
@@ -327,13 +338,19 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
         step["io_wait_s"] = pipeline_io
     step["unattributed_s"] = (read["step"] + write["step"]) / memcpy / 4   # staging copies beside the disk
 
-    activations = compute.activation_bytes(checkpointed)
+    activations = compute.activation_bytes(checkpointed, act_tier)
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel,
                              host_cache.cap_of(config.tiers, placement.any_offload))
     rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
                         layout.largest_param_numel, config.prefetch.bytes)
     moved = dict(traffic["moved"])
+    if act_moved:
+        held = compute.saved.in_host(checkpointed, act_tier, config.prefetch.bytes)
+        rss = replace(rss, host_tier_bytes=min(budgets[Tier.HOST], rss.host_tier_bytes + held))
+        bound = replace(bound, host_tier_bytes=budgets[Tier.HOST])
+        for pair in ("device->host", "host->device") + (("host->nvme", "nvme->host") if act_disk else ()):
+            moved[pair] = moved.get(pair, 0) + act_moved
     if prefetching is False and read["forward"]:
         notes.append("prefetch off: every parameter read is exposed")
     if rates.lower_bound:

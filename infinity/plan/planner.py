@@ -58,6 +58,7 @@ DIMENSIONS = {
     "offload.optimizer": TIERS,
     "optimizer.update_at": ("step", "backward", "next_forward"),
     "zero.activation_checkpointing": (False, True),
+    "zero.activation_offload": TIERS,   # with recompute only: keep, recompute, recompute + host or NVMe
     "precision.reduce_dtype": ("fp32", "bf16"),
     "offload.chunk_bytes": (64 * _MiB, 192 * _MiB, 256 * _MiB),
     "prefetch.bytes": (0, 256 * _MiB),
@@ -134,6 +135,7 @@ class Choice:
         extras = [f"chunk {format_size(k['offload.chunk_bytes'])}" if _stores(k) else None,
                   f"overlap in {k['optimizer.update_at']}" if k["optimizer.update_at"] != "step" else None,
                   _ckpt_label(k["zero.activation_checkpointing"]),
+                  f"activations to {k['zero.activation_offload']}" if k["zero.activation_offload"] != "none" else None,
                   f"reduce {k['precision.reduce_dtype']}",
                   ("prefetch" if k["prefetch.bytes"] else "no prefetch") if _stored_params(k) else None,
                   f"master {k['optimizer.master']}" if k["optimizer.master"] != "fp32" else None,
@@ -264,7 +266,11 @@ def _enumerate(request: PlanRequest, io: dict):
             continue
         if knobs["optimizer.master"] != "fp32" and knobs["offload.optimizer"] == "none":
             continue   # a smaller master matters for what is stored and moved; in memory the fp32 one is kept
-        if knobs["offload.params"] == "nvme" or knobs["offload.grads"] == "nvme" or knobs["offload.optimizer"] == "nvme":
+        if (knobs["zero.activation_offload"] != "none" and knobs["zero.activation_checkpointing"] is False
+                and "zero.activation_checkpointing" not in request.fixed):
+            continue   # every saved tensor moved, not recomputed: planned only when asked for (--fix both)
+        if "nvme" in (knobs["offload.params"], knobs["offload.grads"], knobs["offload.optimizer"],
+                      knobs["zero.activation_offload"]):
             if request.nvme_path is None:
                 continue
         try:
@@ -322,7 +328,7 @@ def _signature(c: Choice) -> tuple:
     """The knobs that make two candidates different choices (chunk size and prefetch alone are noise)."""
     return tuple(c.knobs[k] for k in ("zero.stage", "offload.params", "offload.grads", "offload.optimizer",
                                       "optimizer.update_at",
-                                      "zero.activation_checkpointing",
+                                      "zero.activation_checkpointing", "zero.activation_offload",
                                       "optimizer.master", "optimizer.moments"))
 
 
@@ -341,13 +347,16 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     max_live = min(resolve_cap(config.prefetch.max_live_bytes, full, root), sum(full.values())) if stage == 3 else 0
     # what the engine keeps in device memory outside the store: the same terms as the RSS bound's
     # (on a CPU device they are RAM; on CUDA the bound counts them as 0, so ask it as if on the host)
+    checkpointed = config.zero.checkpointed_units(compute.blocks)
+    act_tier = config.zero.activation_offload
     on_device = predict_device_bytes(layout, placement, stage, p_size, r_size, max_live,
-                                     compute.activation_bytes(config.zero.checkpointed_units(compute.blocks)))
-    needs = {"device_bytes": on_device, "host_bytes": 0}
+                                     compute.activation_bytes(checkpointed, act_tier))
+    act_host = compute.saved.in_host(checkpointed, act_tier, config.prefetch.bytes)   # held in the store
+    needs = {"device_bytes": on_device, "host_bytes": act_host}
     tier_budgets = {Tier.HOST: host_grant, Tier.DEVICE: 0}
     if placement.any_offload:
         least = placement.min_budgets(layout.units, stage, p_size, r_size)
-        needs["host_bytes"] = least[Tier.HOST][0]
+        needs["host_bytes"] = least[Tier.HOST][0] + act_host
         needs["device_bytes"] = on_device + least[Tier.DEVICE][0]
         device_tier = max(device_grant - on_device, least[Tier.DEVICE][0])
         tier_budgets[Tier.DEVICE] = device_tier

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from infinity.estimate.activations import SavedBytes
 from infinity.zero.units import choose_unit_modules
 
 __all__ = ["Rates", "ComputeRates", "PlanInputError", "load_profile", "measure_compute", "truncated_model",
@@ -164,29 +165,34 @@ class ComputeRates:
     block_input_bytes: int = 0        # one block's input (what activation checkpointing keeps instead)
     measured: dict = field(default_factory=dict)
 
-    def activation_bytes(self, checkpointed: int) -> int:
-        """Saved-for-backward bytes of the whole model's forward at the measured micro-batch, as the
-        engine's memory report counts them (unique storages, parameters excluded), with ``checkpointed``
-        of the blocks recomputed in backward (``ZeroConfig.checkpointed_units``)."""
-        k = _block_count(checkpointed, self.blocks)
-        return self.root_saved_bytes + k * self.block_input_bytes + (self.blocks - k) * self.block_saved_bytes
+    @property
+    def saved(self) -> SavedBytes:
+        """The measured saves, split as checkpointing and offload split them."""
+        return SavedBytes(self.root_saved_bytes, self.block_saved_bytes, self.block_input_bytes, self.blocks)
+
+    def activation_bytes(self, checkpointed: int, offload: str = "none") -> int:
+        """Saved-for-backward bytes of the whole model's forward at the measured micro-batch held in device
+        memory at once, with ``checkpointed`` of the blocks recomputed in backward
+        (``ZeroConfig.checkpointed_units``) and their saves in ``offload``'s tier
+        (:meth:`SavedBytes.on_device`)."""
+        return self.saved.on_device(checkpointed, offload)
+
+    def offloaded_bytes(self, checkpointed: int) -> int:
+        return self.saved.offloaded(checkpointed)
+
+    def block_offload_bytes(self, checkpointed: int) -> int:
+        return self.saved.per_block(checkpointed)
 
     def forward_s(self) -> float:
         return self.root_forward_s + self.blocks * self.block_forward_s
 
     def backward_s(self, checkpointed: int) -> float:
         """Backward with ``checkpointed`` blocks' forwards run again inside it."""
-        recompute = _block_count(checkpointed, self.blocks) * self.block_forward_s
+        recompute = self.saved.recomputed(checkpointed) * self.block_forward_s
         return self.root_backward_s + self.blocks * self.block_backward_s + recompute
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _block_count(checkpointed: int, blocks: int) -> int:
-    if isinstance(checkpointed, bool):   # True would read as one block
-        raise TypeError("checkpointed: a count of blocks (ZeroConfig.checkpointed_units), not a bool")
-    return min(checkpointed, blocks)
 
 
 def truncated_model(build: Callable[[], nn.Module], blocks: int) -> tuple:

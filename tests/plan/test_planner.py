@@ -176,6 +176,40 @@ def test_checkpointing_the_first_n_blocks_is_priced_when_fixed(tmp_path):
     assert all(isinstance(c.knobs["zero.activation_checkpointing"], bool) for c in unasked.alternatives)
 
 
+def test_the_planner_offloads_checkpointed_activations_when_their_inputs_do_not_fit(tmp_path):
+    """8 blocks, each input 32 MiB (256 MiB at once when recomputed), stage 0 in memory fixed. With device
+    memory for all of them: recompute stays on the device (no copies). With device memory for a window only:
+    recompute + host when the host grant holds the 256 MiB, recompute + NVMe when it does not; the device
+    then holds the root's saves and the window (prefetch.bytes + two blocks), and each way the inputs cross
+    host memory (and the disk, for NVMe)."""
+    fixed = {"zero.stage": 0, "offload.params": "none", "offload.grads": "none", "offload.optimizer": "none",
+             "precision.reduce_dtype": "fp32", "prefetch.bytes": 0}
+    blocks = compute(8, block_s=0.5, saved=256 * 2**20)   # inputs: saved // 8 = 32 MiB
+    moved = 8 * blocks.block_input_bytes
+
+    def plan(device_bytes, host_bytes):
+        request = _request(tmp_path, device_bytes=device_bytes, host_bytes=host_bytes, fixed=fixed)
+        return make_plan(request, rates(), blocks).chosen
+
+    recompute = plan(2**30, 2**30)
+    assert recompute.knobs["zero.activation_checkpointing"] is True
+    assert recompute.knobs["zero.activation_offload"] == "none"
+    small = recompute.needs["device_bytes"] - moved + 3 * blocks.block_input_bytes
+    host = plan(small, 2**30)
+    assert host.knobs["zero.activation_offload"] == "host" and "activations to host" in host.label()
+    assert host.prediction.rss.activation_bytes == blocks.root_saved_bytes + 2 * blocks.block_input_bytes
+    assert host.needs["host_bytes"] == moved
+    assert host.prediction.moved_bytes == {"device->host": moved, "host->device": moved}
+    nvme = plan(small, moved // 2)
+    assert nvme.knobs["zero.activation_offload"] == "nvme"
+    assert nvme.prediction.moved_bytes["host->nvme"] == nvme.prediction.moved_bytes["nvme->host"] == moved
+    assert nvme.step_s > host.step_s > recompute.step_s
+    # the NVMe writes hide behind forward's compute (4 s of it for 256 MiB at 1 GB/s); in backward only
+    # the last block's read shows
+    assert nvme.prediction.phases["forward"]["io_wait_s"] == 0.0
+    assert nvme.prediction.phases["backward"]["io_wait_s"] == pytest.approx(blocks.block_input_bytes / 1e9)
+
+
 def test_a_profile_missing_a_section_is_named():
     p = profile_dict()
     del p["cpu_adam"]
