@@ -138,7 +138,7 @@ class ActivationOffload:
         return handle
 
     def _worth_moving(self, t: torch.Tensor) -> bool:
-        if t.device != self.device or t.numel() * t.element_size() < MIN_BYTES or t.is_sparse:
+        if not _on(t.device, self.device) or t.numel() * t.element_size() < MIN_BYTES or t.is_sparse:
             return False
         if self._param_ptrs is None:   # the unit's parameters are gathered once its forward runs
             self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._module.parameters()}
@@ -263,6 +263,11 @@ class ActivationOffload:
         self._order.clear()
         self._settling = []
         self.release_dropped()
+
+
+def _on(device: torch.device, compute: torch.device) -> bool:
+    """``device`` is the compute device (``cuda`` without an index names the current one)."""
+    return device.type == compute.type and (compute.index is None or device.index == compute.index)
 
 
 def _kept(t: torch.Tensor) -> torch.Tensor:
