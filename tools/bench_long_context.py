@@ -347,6 +347,8 @@ def plan_child(req: dict) -> dict:
     from infinity.plan.rates import load_profile
 
     torch.set_num_threads(req["threads"])
+    # the training process has built its model before initialize: the baseline the planner measures holds it
+    model = build_model(req["dims"], req["seq"])
     rates = load_profile(req["profile"])
     if req.get("grant_bytes"):
         rates = dataclasses.replace(rates, ram_available_bytes=req["grant_bytes"])
@@ -367,6 +369,7 @@ def plan_child(req: dict) -> dict:
             predicted[name] = {"step_s": one.step_s, "peak_rss_bytes": one.prediction.rss.total_bytes}
         except InfeasiblePlan as e:
             predicted[name] = {"unfit": str(e)}
+    del model
     k = plan.chosen.knobs
     return {"chosen": PLANNED[(k["zero.activation_checkpointing"], k["zero.activation_offload"])],
             "predicted": predicted, "compute": compute.to_dict()}
@@ -687,6 +690,9 @@ def main() -> int:
                    help="also ask the planner (this `infinity profile` JSON) which of keep / recompute / host / "
                         "nvme to run at each length, told --grant if given; its choice's measured step against "
                         "the best of those that ran (in the grant), its predicted peak RSS against the measured")
+    p.add_argument("--reuse", default=None, metavar="RUN.json",
+                   help="with --plan: take the measurements from this earlier --json output of the same tool "
+                        "(its model, lengths, modes, dtype, budget and grant) and run only the planner")
     p.add_argument("--json", action="store_true")
     p.add_argument("--plan-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -741,8 +747,22 @@ def main() -> int:
     if a.work is not None:
         Path(a.work).mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-long-context-", dir=a.work))
+    if a.reuse is not None:   # the earlier run's workload, measurements and machine; a new planner pass
+        if a.plan is None:
+            p.error("--reuse needs --plan (it reruns only the planner)")
+        old = json.loads(Path(a.reuse).read_text())
+        dims, seqs, dtype = old["dims"], old["seqs"], old["dtype"]
+        host_bytes, grant_bytes, hardware = old["host_budget_bytes"], old["grant_bytes"], old["hardware"]
+        modes = [by_name[m["name"]] for m in old["modes"]]
+        a.rounds, a.steps, a.threads = old["rounds"], old["steps"], old["threads"]
     try:
-        rows = run_all(a, modes, seqs, dims, dtype, host_bytes, grant_bytes, run_dir)
+        if a.reuse is not None:
+            measured = [r for r in old["runs"] if r["mode"] != "plan"]
+            a_rounds, a.rounds = a.rounds, 0   # run_all: the plan children only
+            rows = run_all(a, modes, seqs, dims, dtype, host_bytes, grant_bytes, run_dir) + measured
+            a.rounds = a_rounds
+        else:
+            rows = run_all(a, modes, seqs, dims, dtype, host_bytes, grant_bytes, run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         if made_work:

@@ -343,7 +343,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel,
                              host_cache.cap_of(config.tiers, placement.any_offload))
     rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
-                        layout.largest_param_numel, config.prefetch.bytes)
+                        layout.largest_param_numel, config.prefetch.bytes,
+                        compute.saved.backward_peak(checkpointed, act_tier) if device_is_host else 0)
     moved = dict(traffic["moved"])
     if act_moved:
         held = compute.saved.in_host(checkpointed, act_tier, config.prefetch.bytes)
@@ -359,7 +360,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
 
 
 def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_size, r_size, budgets,
-                  device_is_host: bool, largest_param_numel: int, prefetch_bytes: int) -> RssBound:
+                  device_is_host: bool, largest_param_numel: int, prefetch_bytes: int,
+                  activations_at_peak: int = 0) -> RssBound:
     """The bound's terms at the occupancy the engine reaches rather than their worst case: gradient buffers
     with one reduction in flight (the largest parameter's ``.grad`` beside the largest unit's full gradient
     and, with more than one rank, its shard at stages 2-3; its shard at stage 1); stage 3's gathered
@@ -390,8 +392,10 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
         largest = max((u.padded_numel for u in units if not u.is_root), default=0) * p_size
         ahead = largest * (prefetch_bytes // largest) if largest else 0
         gathered = min(gathered, root + largest + ahead)
-    slack = SLACK_FIXED_BYTES + int(SLACK_FRACTION * (gathered + grads + bound.activation_bytes))
-    bound = replace(bound, grad_buffers_bytes=grads, gathered_params_bytes=gathered, slack_bytes=slack)
+    activations = max(bound.activation_bytes, activations_at_peak)
+    slack = SLACK_FIXED_BYTES + int(SLACK_FRACTION * (gathered + grads + activations))
+    bound = replace(bound, grad_buffers_bytes=grads, gathered_params_bytes=gathered, slack_bytes=slack,
+                    activation_bytes=activations)
     if not placement.any_offload:
         return bound
     homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)

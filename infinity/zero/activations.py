@@ -11,10 +11,13 @@ the graph holds only a :class:`SavedActivation`. A tensor saved twice in one for
 projections) is stored once.
 
 Backward unpacks in the reverse of the pack order. Each unpack first starts bringing the next ones home to
-host memory along that order, up to ``prefetch.bytes`` ahead (the first at ``begin_backward``), so the
+host memory along that order, up to two units' saves (within ``prefetch.bytes``) ahead (the first at
+``begin_backward``), so the
 recompute finds them in place; then it copies its own into a new device tensor with the original shape and
-strides. The bytes are bitwise the ones saved. A key is released when autograd drops its handle (the
-graph freed: after the unit's backward, or when a forward is abandoned), or at :meth:`ActivationOffload.close`.
+strides (on a CPU device, whose memory is the host's, it hands autograd a view of the host copy instead,
+pinned until the handle goes). The bytes are bitwise the ones saved. A key is released when autograd drops
+its handle (the graph freed: after the unit's backward, or when a forward is abandoned), at the next safe
+point, or at :meth:`ActivationOffload.close`.
 
 Failures name their cause in one line (:class:`ActivationOffloadError`): a write that failed (ENOSPC) raises
 in the forward that saved the tensor, at the unit's end or the next save; a read that failed or a checksum
@@ -83,6 +86,9 @@ class ActivationOffload:
         self._seq = itertools.count()
         self._order: dict[int, weakref.ref] = {}   # seq -> handle, in pack order (live handles only)
         self._dropped: collections.deque = collections.deque()   # keys of handles autograd dropped
+        self._pinned: set = set()   # keys whose host copy autograd holds a view of (CPU device)
+        self._unit_bytes = 0           # what the unit whose forward runs has saved here
+        self._largest_unit_bytes = 0   # the most one unit's forward saved
         self._settling: list[weakref.ref] = []   # handles packed, their write not yet seen done
         self._unit: int | None = None
         self._hooks: saved_tensors_hooks | None = None
@@ -101,6 +107,7 @@ class ActivationOffload:
         self.release_dropped()
         self._settle(wait=False)
         self._unit, self._module, self._param_ptrs, self._seen = unit.index, unit.module, None, {}
+        self._unit_bytes = 0
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
@@ -135,6 +142,8 @@ class ActivationOffload:
         self._settling.append(weakref.ref(handle))
         self._seen[id(t)] = (weakref.ref(t), handle)
         self.stats["saved_bytes"] += handle.nbytes
+        self._unit_bytes += handle.nbytes
+        self._largest_unit_bytes = max(self._largest_unit_bytes, self._unit_bytes)
         return handle
 
     def _worth_moving(self, t: torch.Tensor) -> bool:
@@ -192,25 +201,38 @@ class ActivationOffload:
             _wait(store, handle.brought, handle, "reading")
         else:
             _wait(store, handle.written, handle, "writing")
-        out = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype, device=self.device)
+        owner = ("activation", handle.seq)
         try:
-            with store.use(handle.key, Tier.HOST, owner=("activation", handle.seq)) as host:
-                # CUDA: a blocking host->device copy, so the host buffer is free to reuse once it returns
-                out.as_strided((out.numel(),), (1,), 0).copy_(host)
+            if self.device.type == "cpu":
+                # the device is host memory: autograd gets a view of the host copy, pinned until the handle
+                # is dropped (after the unit's backward), with no copy and no new block for the allocator
+                if handle.key not in self._pinned:
+                    store.pin(handle.key, Tier.HOST, owner=owner)
+                    self._pinned.add(handle.key)
+                host = store.get(handle.key, Tier.HOST)
+                out = host.as_strided(handle.shape, handle.stride, host.storage_offset())
+            else:
+                out = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype, device=self.device)
+                with store.use(handle.key, Tier.HOST, owner=owner) as host:
+                    # a blocking host->device copy: the host buffer is free to reuse once it returns
+                    out.as_strided((out.numel(),), (1,), 0).copy_(host)
         except (StoreError, OSError) as e:
             raise ActivationOffloadError(f"activation offload: reading unit {handle.unit}'s activation "
                                          f"({_size(handle)}) from {self.tier.value} failed: {_cause(e)}") from e
-        if self.tier is Tier.NVME:
+        if self.tier is Tier.NVME and handle.key not in self._pinned:
             handle.brought = None
             store.evict(handle.key, Tier.HOST)
         self.stats["restored_bytes"] += handle.nbytes
         return out
 
     def _prefetch(self, below: int | None) -> None:
-        """Start bringing saved tensors home to host memory, newest first from ``below`` down, until
-        ``prefetch_bytes`` are brought or on the way (NVMe only: a host home is there already)."""
+        """Start bringing saved tensors home to host memory, newest first from ``below`` down, until the
+        window is brought or on the way: ``prefetch_bytes``, at most two units' saves (one unit's
+        backward hides the next one's read; more would only hold memory). NVMe only: a host home is there
+        already."""
         if self.tier is not Tier.NVME:
             return
+        window = min(self.prefetch_bytes, 2 * self._largest_unit_bytes)
         ahead = 0
         for seq in sorted(self._order.copy(), reverse=True):   # a copy: a dropped handle may pop one
             if below is not None and seq >= below:
@@ -219,7 +241,7 @@ class ActivationOffload:
             handle = ref() if ref is not None else None
             if handle is None:
                 continue
-            if ahead + handle.nbytes > self.prefetch_bytes and ahead:
+            if ahead + handle.nbytes > window and ahead:
                 return
             ahead += handle.nbytes
             if handle.brought is None:
@@ -240,6 +262,9 @@ class ActivationOffload:
         """Forget the keys of handles autograd dropped (the store waits for a write in flight)."""
         while self._dropped:
             key = self._dropped.popleft()
+            if key in self._pinned:
+                self._pinned.discard(key)
+                self.store.unpin(key, Tier.HOST, owner=("activation", int(key.rsplit("/", 1)[1])))
             if key in self.store:   # a failed write registered nothing
                 self.store.release(key)
 

@@ -42,6 +42,7 @@ def test_the_split_follows_checkpointing_and_the_tier():
     assert (s.on_device(0), s.on_device(4), s.on_device(2)) == (4100, 140, 100 + 20 + 2000)
     assert (s.on_device(4, "host"), s.in_host(4, "host"), s.on_disk(4, "host")) == (120, 40, 0)
     assert (s.on_device(4, "nvme"), s.in_host(4, "nvme", prefetch_bytes=15), s.on_disk(4, "nvme")) == (120, 35, 40)
+    assert s.in_host(4, "nvme", prefetch_bytes=5) == 25
     assert s.on_device(0, "nvme") == 100 + 2000 and s.offloaded(1) == 10 + 3000
     with pytest.raises(TypeError, match="not a bool"):
         s.offloaded(True)
