@@ -80,7 +80,6 @@ from infinity.zero.live_units import LiveUnits, check_cap, resolve_cap
 from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory, rss_bytes
 from infinity.zero.placement import Placement
-from infinity.zero.speculation import spare_classes
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import EngineStats
 from infinity.zero.storage_pool import StoragePool
@@ -271,9 +270,8 @@ class ZeroEngine:
         moments = moment_format(self.placement.moments_format)   # optimizer.moments
         for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
             shard.put_zeros(cls, unit.shard_numel, moments.dtype, self.device, layout=moments)
-        if self.update.uses_spares:   # update_at speculative: spare copies of what Adam writes
-            shard.add_spares(spare_classes())
         unit.shard, unit.full_param = shard, full
+        self.update.prepare_unit(unit)   # update_at speculative: spare copies of what Adam writes
         if self.compute_dtype != self.param_dtype:   # each gather is upcast into it (UnitGathers.gather)
             unit.compute_param = torch.empty(0, dtype=self.compute_dtype, device=full.device)
         self.gathers.release(unit)   # stage 3: the full buffer goes until the unit's first use

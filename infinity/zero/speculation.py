@@ -7,8 +7,7 @@ Speculation runs it during the step's last backward anyway, as the
 knows the norm: 1, or fp16's unscale ``1 / loss_scale``. What makes that safe
 is where the updated state goes: each job writes its master, moments and
 parameter into *spare* copies (a second store key per chunk, same home; a
-spare tensor for a class kept in memory, see
-:meth:`~infinity.zero.store_shard.StoreUnitShard.add_spares`) and reads the
+spare tensor for a class kept in memory: one :class:`~infinity.zero.spares.SpareSet` per unit) and reads the
 current ones without changing them. Gradients are kept until the step ends: in
 host memory, or, where the host budget cannot hold them all beside what the next
 forward reads, written home as each update is done and read back only by a redo
@@ -51,6 +50,7 @@ from dataclasses import dataclass, field
 
 from infinity.store import StoreError, Tier
 from infinity.zero.placement import OPTIMIZER_CLASSES
+from infinity.zero.spares import SpareSet
 from infinity.zero.units import TensorClass
 from infinity.zero.update_backward import UpdateInBackward
 from infinity.zero.update_next_forward import UpdateAtNextForward
@@ -111,6 +111,11 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
         self._outcome: dict | None = None   # how the step's speculation ended, for its stats
         self._unclipped: bool | None = None   # the step's multiplier was the one a speculation uses
         self._expected_scale = 1.0          # that multiplier (the engine's, at the end of backward)
+        self.spares: dict = {}              # unit index -> SpareSet (prepare_unit)
+
+    def prepare_unit(self, unit) -> None:
+        """The unit's spares (:class:`SpareSet`) of what Adam writes, registered now (they wait until home)."""
+        self.spares[unit.index] = SpareSet(unit.shard, spare_classes())
 
     def _updates_in_backward(self) -> bool:
         return self.speculating
@@ -134,7 +139,7 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
 
     def _unit_jobs(self, unit, grad_scale: float) -> list:
         self._spec.units.append(unit)
-        return self.jobs(unit, grad_scale, spare=True)
+        return self.jobs(unit, grad_scale, spares=self.spares[unit.index])
 
     def end_backward(self, grad_scale: float) -> None:
         self._expected_scale = grad_scale
@@ -193,7 +198,7 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
                 self._begin(spec.hyper)
                 try:
                     for unit in spec.units:
-                        for job in self.jobs(unit, grad_scale, spare=True):
+                        for job in self.jobs(unit, grad_scale, spares=self.spares[unit.index]):
                             self.pipeline.submit(job)
                 except BaseException:
                     self.pipeline.abort()
@@ -218,7 +223,7 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
         new parameters all-gathered."""
         classes = spare_classes()
         for unit in units:
-            unit.shard.commit_spares(classes)
+            self.spares[unit.index].commit(classes)
             unit.updated, unit.chunks_updated = True, len(unit.shard.chunks())
         self._drop_grads(units)
         if self.policy.gather_after_step:

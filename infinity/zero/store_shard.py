@@ -102,10 +102,6 @@ class StoreUnitShard(UnitShard):
         self.defers_grad_writes = placement.defer_grad_writes
         self.bounds = list(bounds) if bounds else None   # None: one key per class, whatever its size
         self._keys: dict = {}     # TensorClass -> tuple of store keys, one per chunk
-        # a speculative update's spare copies (infinity.zero.speculation), swapped in on commit: TensorClass ->
-        # spare keys per chunk (stored classes); (TensorClass, chunk) -> spare tensor (classes in memory)
-        self._spares: dict = {}
-        self._spare_tensors: dict = {}
         # TensorClass -> its stored layout (int8 moments: rows of blocks, moment_codes); others flat
         self._layouts: dict = {}
 
@@ -145,7 +141,7 @@ class StoreUnitShard(UnitShard):
         # Registering an NVMe-homed key stages it through a host copy, which would stay cached: not for a
         # gradient (its first fold overwrites it unread) nor for streamed states (evicted before their use)
         for c, key in enumerate(keys):
-            if self._home(cls, c) is Tier.NVME and (cls is TensorClass.GRAD or self._streamed(cls, c)):
+            if self._home(cls, c) is Tier.NVME and (cls is TensorClass.GRAD or self.streams(cls, c)):
                 self.store.wait(self.store.evict(key, Tier.HOST))
 
     def put(self, cls: TensorClass, tensor: torch.Tensor) -> None:
@@ -425,7 +421,7 @@ class StoreUnitShard(UnitShard):
         written home and its host copy freed once the update is done (``write_kept_grads``); else ()."""
         return self.consumed_after_update(chunk) if self.write_kept_grads else ()
 
-    def _streamed(self, cls: TensorClass, chunk: int) -> bool:
+    def streams(self, cls: TensorClass, chunk: int) -> bool:
         """With ``stream_states``: whether the chunk of ``cls`` is an NVMe-homed optimizer state, whose host
         copy is not kept (its next use is a step away, past what the host budget can cache). A master
         that is the parameter itself is kept: the next forward reads it."""
@@ -433,9 +429,9 @@ class StoreUnitShard(UnitShard):
                 and not self.is_alias(cls, TensorClass.PARAM))
 
     def dropped_after_update(self, chunk: int = 0) -> tuple:
-        """The chunk's streamed state keys (:meth:`_streamed`): their host copies are freed once written home."""
+        """The chunk's streamed state keys (:meth:`streams`): their host copies are freed once written home."""
         return tuple(self._keys[cls][chunk] for cls in OPTIMIZER_CLASSES
-                     if cls in self._keys and self._streamed(cls, chunk))
+                     if cls in self._keys and self.streams(cls, chunk))
 
     def job_field(self, cls: TensorClass, chunk: int = 0):
         """Chunk ``chunk``'s store key for a stored class; the in-memory tensor (its chunk's slice
@@ -449,70 +445,13 @@ class StoreUnitShard(UnitShard):
         lo, hi = self.bounds[chunk]
         return self._rows(cls, tensor, lo, hi)
 
-    # ------------------------------------------------------------ a speculative update's spares
-
-    def add_spares(self, classes) -> None:
-        """Register a spare key beside each chunk key of the stored ``classes`` (same shape, dtype and
-        home), for updates that write there and leave the current keys as they were (waits until home).
-        Aliases share their spares."""
-        for cls in classes:
-            keys = self._keys.get(cls)
-            if keys is None or cls in self._spares:
-                continue
-            same = [other for other, k in self._keys.items() if k is keys and other in self._spares]
-            if same:
-                self._spares[cls] = self._spares[same[0]]
-                continue
-            spares = tuple(f"{key}~" for key in keys)
-            futures = []
-            for key, spare in zip(keys, spares):
-                shape, dtype = self.store.layout(key)
-                futures.append(self.store.register(spare, shape, dtype=dtype, home=self.store.home(key)))
-            for f in futures:
-                self.store.wait(f)
-            for key, spare in zip(keys, spares):   # a spare is claimed whole before it is read: nothing cached
-                if self.store.home(spare) is not Tier.HOST:
-                    self.store.wait(self.store.evict(spare, Tier.HOST))
-            self._spares[cls] = spares
-
-    def spare_field(self, cls: TensorClass, chunk: int = 0):
-        """Where a speculative job writes chunk ``chunk`` of ``cls``: its spare key (stored classes, see
-        :meth:`add_spares`), or a spare tensor shaped like the chunk (classes in memory, made on first use)."""
-        if cls in self._keys:
-            return self._spares[cls][chunk]
-        spare = self._spare_tensors.get((cls, chunk))
-        if spare is None:
-            spare = self._spare_tensors[(cls, chunk)] = torch.empty_like(self.job_field(cls, chunk))
-        return spare
-
-    def spare_drops(self, chunk: int = 0) -> tuple:
-        """:meth:`dropped_after_update` for a speculative job: the spare keys of the streamed states."""
-        return tuple(self._spares[cls][chunk] for cls in OPTIMIZER_CLASSES
-                     if cls in self._spares and self._streamed(cls, chunk))
-
-    def commit_spares(self, classes) -> None:
-        """A speculative update of ``classes`` is final: each spare key becomes the class's key (and the
-        old key the spare, its cached copies dropped: they hold the step before), and each spare tensor's
-        bytes are copied into the class's tensor."""
-        moved: list = []
-        for cls in classes:
-            if cls in self._spares and cls in self._keys:
-                old, new = self._keys[cls], self._spares[cls]
-                if any(old is m for m in moved):
-                    continue   # an alias of a class already moved
-                for other in [c for c, k in self._keys.items() if k is old]:   # aliases move together
-                    self._keys[other], self._spares[other] = new, old
-                moved.append(new)
-                for key in old:   # their room, sooner than the LRU would free it (a pinned one is left to it)
-                    for tier in (Tier.DEVICE, Tier.HOST):
-                        if tier.rank < self.store.home(key).rank:
-                            with contextlib.suppress(StoreError):
-                                self.store.discard(key, tier)
-            else:
-                for (c_cls, chunk), spare in self._spare_tensors.items():
-                    if c_cls is cls:
-                        field = self.job_field(cls, chunk)
-                        field.copy_(spare)
+    def replace_keys(self, old: tuple, new: tuple) -> list:
+        """Every class whose chunk keys are ``old`` (a class and its aliases) takes ``new`` instead (a
+        speculation's spares committed, :class:`~infinity.zero.spares.SpareSet`); returns those classes."""
+        moved = [cls for cls, keys in self._keys.items() if keys is old]
+        for cls in moved:
+            self._keys[cls] = new
+        return moved
 
     def write_back_lent(self) -> None:
         self.lent.write_back()
@@ -531,12 +470,10 @@ class StoreUnitShard(UnitShard):
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
         self._finish_pending_fold()   # no copy may still land in a key being released
-        for key in {k for keys in [*self._keys.values(), *self._spares.values()] for k in keys}:
+        for key in {k for keys in self._keys.values() for k in keys}:
             if key in self.store:
                 self.store.release(key)
         self._keys.clear()
-        self._spares.clear()
-        self._spare_tensors.clear()
         super().release()
 
 

@@ -71,7 +71,7 @@ class UpdateSchedule:
     name = "step"                 # the optimizer.update_at value this schedule implements
     overlaps = False              # some unit's update may run while compute does (reads folds as they land)
     waits_before_use = False      # an update may still run when the next forward starts (before_use waits)
-    uses_spares = False           # each written class has a spare copy (the shards are built with one)
+    uses_spares = False           # each written class has a spare copy (prepare_unit makes it)
     pending = False               # an update step() returned from still runs (drain() waits for it)
 
     def __init__(self, units: list, store, coll, policy, shard_rank: int, rank: int, hyper, tracer, cfg,
@@ -108,6 +108,10 @@ class UpdateSchedule:
             finally:
                 adam.close()
         return close
+
+    def prepare_unit(self, unit) -> None:
+        """``unit``'s shard is built and filled: a schedule that needs more of it makes it here (the
+        speculative one: its spares). Nothing, here."""
 
     # ------------------------------------------------------------ events (the step-time schedule's answers)
 
@@ -214,11 +218,13 @@ class UpdateSchedule:
         while self._post_gathers:
             self._post_gathers.popleft().wait()
 
-    def jobs(self, unit, grad_scale: float, spare: bool = False) -> list:
+    def jobs(self, unit, grad_scale: float, spares=None) -> list:
         """``unit``'s jobs not yet done this step: one per chunk of its shard (one when unchunked,
-        named after the unit; else ``name#chunk``). Its gradient shard must be final. ``spare``: a
-        speculative update's jobs (see :mod:`infinity.zero.speculation`): written fields go to the
-        shard's spares, read from the current copies, and the gradient is kept."""
+        named after the unit; else ``name#chunk``). Its gradient shard must be final. ``spares``: the
+        unit's :class:`~infinity.zero.spares.SpareSet`, for a speculative update's jobs (see
+        :mod:`infinity.zero.speculation`): written fields go to the spares, read from the current copies,
+        and the gradient is kept."""
+        spare = spares is not None
         s = unit.shard
         s.write_back_lent()
         chunks = s.chunks()
@@ -241,7 +247,7 @@ class UpdateSchedule:
                         continue
                     if name != "param_out" or self.split_master:
                         sources[name] = fields[name]
-                    fields[name] = s.spare_field(cls, c)
+                    fields[name] = spares.field(cls, c)
             jobs.append(ShardJob(
                 unit.name if chunks == [None] else f"{unit.name}#{c}",
                 fields["master"], fields["exp_avg"], fields["exp_avg_sq"], s.job_field(TensorClass.GRAD, c),
@@ -251,7 +257,7 @@ class UpdateSchedule:
                 # a speculative job keeps its gradient: a redo reads it (from the disk, where the host
                 # cannot hold every kept gradient beside the parameters the next forward reads)
                 discard=() if spare else s.consumed_after_update(c), write_home=s.kept_for_redo(c) if spare else (),
-                drop=s.spare_drops(c) if spare else s.dropped_after_update(c), master_is_remainder=self.split_master,
+                drop=spares.drops(c) if spare else s.dropped_after_update(c), master_is_remainder=self.split_master,
                 moments_blocked=self.blocked_moments, unit_index=unit.index,
                 element_offset=self.shard_rank * unit.shard_numel + lo, sources=sources))
             self._owner[jobs[-1].name] = unit

@@ -15,7 +15,7 @@ from infinity.trace import Tracer
 from infinity.zero.hyper import GroupHyper
 from infinity.zero.placement import Placement
 from infinity.zero.schedules import SCHEDULES, make_schedule
-from infinity.zero.speculation import SpeculativeUpdate, spare_classes
+from infinity.zero.speculation import SpeculativeUpdate
 from infinity.zero.stage import StagePolicy
 from infinity.zero.store_shard import store_shards
 from infinity.zero.units import TensorClass
@@ -46,8 +46,6 @@ def _stored_units(model, store, spares: bool) -> list:
         shard.put(TensorClass.MASTER, unit.full_param.clone())
         for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ, TensorClass.GRAD):
             shard.put_zeros(cls, unit.shard_numel, torch.float32, "cpu")
-        if spares:
-            shard.add_spares(spare_classes())
         unit.shard = shard
     return units
 
@@ -65,7 +63,10 @@ def _built(store, at: str) -> tuple:
     torch.manual_seed(0)
     model = Blocks()
     units = _stored_units(model, store, spares=at == "speculative")
-    return model, units, _schedule(at, units, store, model)
+    update = _schedule(at, units, store, model)
+    for unit in units:
+        update.prepare_unit(unit)   # the speculative schedule's spares, as the engine makes them
+    return model, units, update
 
 
 def _grads(units, seed: int) -> None:
