@@ -49,8 +49,9 @@ def test_spares_are_written_apart_and_commit_swaps_them_in(store, chunks):
     param_spares = [spares.field(TensorClass.PARAM, c) for c in range(n)]   # in memory: a tensor per chunk
     assert all(isinstance(t, torch.Tensor) for t in param_spares)
     for c in range(n):   # a speculation writes its results into the spares only
-        with store.use(spares.field(TensorClass.EXP_AVG, c), Tier.HOST, dirty=True) as t:
-            t.fill_(7.0)
+        for cls, value in ((TensorClass.EXP_AVG, 7.0), (TensorClass.EXP_AVG_SQ, 5.0)):
+            with store.use(spares.field(cls, c), Tier.HOST, dirty=True) as t:
+                t.fill_(value)
         param_spares[c].fill_(-1.0)
     assert torch.equal(shard.read(TensorClass.EXP_AVG), torch.full((NUMEL,), 1.0))
     assert torch.equal(shard.read(TensorClass.PARAM), torch.arange(NUMEL, dtype=torch.float32))
@@ -60,7 +61,7 @@ def test_spares_are_written_apart_and_commit_swaps_them_in(store, chunks):
     assert torch.equal(shard.read(TensorClass.EXP_AVG), torch.full((NUMEL,), 7.0))
     assert torch.equal(shard.read(TensorClass.PARAM), torch.full((NUMEL,), -1.0))
     assert torch.equal(shard.read(TensorClass.MASTER), torch.full((NUMEL,), -1.0))   # the alias is the param
-    assert torch.equal(shard.read(TensorClass.EXP_AVG_SQ), torch.full((NUMEL,), 2.0))   # nothing written to it
+    assert torch.equal(shard.read(TensorClass.EXP_AVG_SQ), torch.full((NUMEL,), 5.0))
     spares.release()
     shard.release()
     assert store.stats()["keys"] == 0
