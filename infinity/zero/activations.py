@@ -87,10 +87,9 @@ class ActivationOffload:
         self._order: dict[int, weakref.ref] = {}   # seq -> handle, in pack order (live handles only)
         self._dropped: collections.deque = collections.deque()   # keys of handles autograd dropped
         self._pinned: set = set()   # keys whose host copy autograd holds a view of (CPU device)
-        self._unit_bytes = 0           # what the unit whose forward runs has saved here
-        self._largest_unit_bytes = 0   # the most one unit's forward saved
+        self._largest_unit_bytes = 0   # the most one unit's forward moved out (unit.offloaded_bytes)
         self._settling: list[weakref.ref] = []   # handles packed, their write not yet seen done
-        self._unit: int | None = None
+        self._unit = None              # the unit whose forward runs (its runtime object: FlatUnit)
         self._hooks: saved_tensors_hooks | None = None
         self._seen: dict[int, tuple] = {}           # id(tensor) -> (weakref, handle): this unit's forward
         self._param_ptrs: set | None = None
@@ -103,11 +102,11 @@ class ActivationOffload:
         """The unit's forward starts (a training pass, not a recompute): its saved tensors come here."""
         if self._hooks is not None:
             raise RuntimeError(f"activation offload: unit {unit.index}'s forward began inside unit "
-                               f"{self._unit}'s (units do not nest)")
+                               f"{self._unit.index}'s (units do not nest)")
         self.release_dropped()
         self._settle(wait=False)
-        self._unit, self._module, self._param_ptrs, self._seen = unit.index, unit.module, None, {}
-        self._unit_bytes = 0
+        self._unit, self._module, self._param_ptrs, self._seen = unit, unit.module, None, {}
+        unit.offloaded_bytes = 0
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
 
@@ -135,15 +134,16 @@ class ActivationOffload:
         try:
             written = self.store.register(key, flat, home=self.tier, copy_async=True)
         except StoreError as e:
-            raise ActivationOffloadError(f"activation offload: no room to save unit {self._unit}'s activation "
-                                         f"({_size(t)}) in the {self.tier.value} tier: {_cause(e)}") from e
-        handle = SavedActivation(seq, self._unit, t, written, self._release)
+            raise ActivationOffloadError(f"activation offload: no room to save unit {self._unit.index}'s "
+                                         f"activation ({_size(t)}) in the {self.tier.value} tier: {_cause(e)}") \
+                from e
+        handle = SavedActivation(seq, self._unit.index, t, written, self._release)
         self._order[seq] = weakref.ref(handle)
         self._settling.append(weakref.ref(handle))
         self._seen[id(t)] = (weakref.ref(t), handle)
         self.stats["saved_bytes"] += handle.nbytes
-        self._unit_bytes += handle.nbytes
-        self._largest_unit_bytes = max(self._largest_unit_bytes, self._unit_bytes)
+        self._unit.offloaded_bytes += handle.nbytes
+        self._largest_unit_bytes = max(self._largest_unit_bytes, self._unit.offloaded_bytes)
         return handle
 
     def _worth_moving(self, t: torch.Tensor) -> bool:

@@ -156,7 +156,7 @@ class ZeroEngine:
         self.max_live_bytes = resolve_cap(config.prefetch.max_live_bytes, by_name, root_name)
         if self.policy.shard_params:   # before materializing: a bad cap fails before any shard is written
             check_cap(self.max_live_bytes, by_name, root_name)
-        self.live = LiveUnits(full_bytes, {u.index: u.name for u in self.units}, self.max_live_bytes)
+        self.live = LiveUnits(self.units, full_bytes, self.max_live_bytes)
         self.prefetcher = TracePrefetcher({u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units},
                                           config.prefetch.bytes)
 

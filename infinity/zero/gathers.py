@@ -30,9 +30,8 @@ from __future__ import annotations
 import time
 
 from infinity.store import BudgetError
-from infinity.zero.live_units import UnitUse
 from infinity.zero.storage_pool import StoragePool
-from infinity.zero.units import UnitState
+from infinity.zero.units import UnitState, UnitUse
 
 __all__ = ["UnitGathers", "ReplicatedParams"]
 
@@ -75,7 +74,7 @@ class UnitGathers:
                 self.buffers.empty(full.untyped_storage())   # still SHARDED: its buffer must not stay allocated
                 raise
             unit.transition(UnitState.GATHERING)
-            self.live.gathering(unit.index)
+            self.live.gathering(unit)
             pending = self.unit_comm.all_gather(unit, full, src)   # keeps autograd's version counter
             unit.gather = _Gather(pending, done, time.perf_counter())
         if wait and unit.state is UnitState.GATHERING:
@@ -105,12 +104,12 @@ class UnitGathers:
             self.gather(unit)  # the collective must finish before its output storage is freed
         if unit.state is UnitState.GATHERED:
             unit.transition(UnitState.SHARDED)
-            self.live.released(unit.index)
+            self.live.released(unit)
             self.buffers.empty(unit.full_param.untyped_storage())   # (already empty once upcast)
             if unit.compute_param is not None:
                 self.buffers.empty(unit.compute_param.untyped_storage())
-        elif self.live.use(unit.index) is not UnitUse.IDLE:
-            self.live.set_use(unit.index, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
+        elif unit.use is not UnitUse.IDLE:
+            self.live.set_use(unit, UnitUse.IDLE)   # wanted, but its gather never started (it raised)
 
     def release_all(self) -> None:
         """Release every unit; the end of a backward (or of a pass that will have none): hpZ's secondary
@@ -124,10 +123,10 @@ class UnitGathers:
         never released for the cap, until :meth:`release` or :meth:`after_forward`. If gathering it would
         exceed ``prefetch.max_live_bytes``, units gathered but not in use are released first; if that is
         not enough, raises RuntimeError instead of exceeding the cap."""
-        if unit.state is UnitState.SHARDED and not self.live.fits(unit.index):
-            for index in self.live.victims_for(unit.index, self.rank):
-                self.release(self.units[index])   # a gathering victim is waited on first (see release)
-        self.live.set_use(unit.index, UnitUse.IN_USE)
+        if unit.state is UnitState.SHARDED and not self.live.fits(unit):
+            for victim in self.live.victims_for(unit, self.rank):
+                self.release(victim)   # a gathering victim is waited on first (see release)
+        self.live.set_use(unit, UnitUse.IN_USE)
         self.gather(unit)
 
     def after_forward(self, unit) -> None:
@@ -138,13 +137,13 @@ class UnitGathers:
                 self.unit_comm.keep_secondary(unit)   # hpZ: the backward gathers inside the node
             self.release(unit)
         elif unit.state is not UnitState.SHARDED:
-            self.live.set_use(unit.index, UnitUse.KEPT)
+            self.live.set_use(unit, UnitUse.KEPT)
 
     def gather_ahead(self, unit) -> None:
         """Prefetch: start ``unit``'s all-gather now if it is sharded and fits under the cap (nothing is
         released for it)."""
-        if unit.state is UnitState.SHARDED and self.live.fits(unit.index) and not self.update.updating(unit.index):
-            self.live.set_use(unit.index, UnitUse.AHEAD)
+        if unit.state is UnitState.SHARDED and self.live.fits(unit) and not self.update.updating(unit.index):
+            self.live.set_use(unit, UnitUse.AHEAD)
             self.gather(unit, wait=False)
 
     def end_step(self, all_agree) -> None:

@@ -51,7 +51,6 @@ class FoldedGrads(GradReducer):
         self._inflight: collections.deque = collections.deque()
         self.writes: collections.deque = collections.deque()   # pending folds / store futures, in fold order
         self._failed_writes: list = []      # finished early but failed: raised by wait_writes
-        self._unit_writes: dict = {}        # unit index -> its last fold's pending write (take_folded)
         self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
 
     def build(self) -> None:
@@ -88,7 +87,7 @@ class FoldedGrads(GradReducer):
             write.result()
         if write is not None:
             self.writes.append(write)
-            self._unit_writes[unit.index] = write
+        unit.pending_fold = write
         unit.full_grad = None   # the full gradient is dropped once reduced
         if own_buffer:
             self.buffers.freed(out.nbytes)
@@ -121,7 +120,7 @@ class FoldedGrads(GradReducer):
             return []   # the common case: called after every parameter's hook, nothing new
         out, self._folded = self._folded, []
         for unit in out:
-            write = self._unit_writes.pop(unit.index, None)
+            write, unit.pending_fold = unit.pending_fold, None
             if readable and write is not None and not getattr(write, "ordered", True):
                 write.result()
         return out
@@ -148,11 +147,12 @@ class FoldedGrads(GradReducer):
         self._inflight.clear()
         self.wait_writes(raise_errors=False)
         self._folded = []
-        self._unit_writes = {}
 
     def wait_writes(self, raise_errors: bool = True) -> None:
         writes = [*self._failed_writes, *self.writes]
-        self.writes, self._failed_writes, self._unit_writes = collections.deque(), [], {}
+        self.writes, self._failed_writes = collections.deque(), []
+        for unit in self.units:
+            unit.pending_fold = None
         for f in writes:
             try:
                 f.result()

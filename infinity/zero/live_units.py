@@ -5,7 +5,9 @@ all-gather is launched (GATHERING) until it is released (SHARDED). The sum of
 their bytes is what ``prefetch.max_live_bytes`` caps, for every gather the
 step makes: the one-ahead prefetch gather and the on-demand gather of a unit
 needed now. :class:`LiveUnits` keeps that sum, its high-water mark per step,
-and each live unit's :class:`UnitUse`, which says whether the cap may release it:
+and the order in which units became releasable; each unit's own
+:class:`~infinity.zero.units.UnitUse` (on the unit, its one runtime object) says
+whether the cap may release it:
 
 - a unit *in use* (its forward or backward is running; the root unit from the
   start of forward to the end of backward) is never released;
@@ -32,11 +34,10 @@ disagreed on whether to start one would deadlock.
 
 from __future__ import annotations
 
-import enum
 from typing import Mapping
 
 from infinity.config import ConfigError
-from infinity.transitions import Transitions
+from infinity.zero.units import UnitUse
 
 __all__ = ["UnitUse", "LiveUnits", "check_cap", "resolve_cap"]
 
@@ -52,23 +53,6 @@ def resolve_cap(value, full_bytes: Mapping[str, int], root: str | None) -> int:
     others = sorted((b for n, b in full_bytes.items() if n != root), reverse=True)
     need = (full_bytes[root] if root is not None else 0) + 2 * (others[0] if others else 0)
     return max(AUTO_FLOOR_BYTES, need)
-
-
-class UnitUse(enum.Enum):
-    """Why a unit's full parameters are wanted; decides whether the cap may release them."""
-
-    IDLE = "idle"        # not wanted by the step: sharded, or gathered outside it (engine.gathered())
-    AHEAD = "ahead"      # gathered early by prefetch, not used yet: released first when room is needed
-    IN_USE = "in_use"    # its forward or backward is running (the root: through backward): never released
-    KEPT = "kept"        # forward done, kept for backward (reshard_after_forward off): released under pressure
-
-
-_MOVES = Transitions("unit use", {
-    UnitUse.IDLE: {UnitUse.AHEAD, UnitUse.IN_USE},
-    UnitUse.AHEAD: {UnitUse.IN_USE, UnitUse.IDLE},
-    UnitUse.IN_USE: {UnitUse.KEPT, UnitUse.IDLE},
-    UnitUse.KEPT: {UnitUse.IN_USE, UnitUse.IDLE},
-})
 
 
 def check_cap(max_live_bytes: int, full_bytes: Mapping[str, int], root: str | None) -> None:
@@ -92,40 +76,40 @@ def check_cap(max_live_bytes: int, full_bytes: Mapping[str, int], root: str | No
 
 
 class LiveUnits:
-    """Live (gathered) bytes per unit index, their per-step peak, and each unit's :class:`UnitUse`.
+    """Live (gathered) bytes over the units, their per-step peak, and the releasable units in the order
+    the cap frees them. A unit's use is its own (``unit.use``); set it through :meth:`set_use`, which
+    keeps that order.
 
-    The engine reports every SHARDED -> GATHERING (:meth:`gathering`) and
-    GATHERED -> SHARDED (:meth:`released`) transition; units start gathered
+    ``full_bytes``: unit index -> its gathered bytes. The gathers report every SHARDED -> GATHERING
+    (:meth:`gathering`) and GATHERED -> SHARDED (:meth:`released`) transition; units start gathered
     (as :class:`~infinity.zero.units.FlatUnit` does).
     """
 
-    def __init__(self, full_bytes: Mapping[int, int], names: Mapping[int, str], max_live_bytes: int):
-        self.full_bytes = dict(full_bytes)
-        self.names = dict(names)
+    def __init__(self, units: list, full_bytes: Mapping[int, int], max_live_bytes: int):
+        self.units, self.full_bytes = list(units), dict(full_bytes)
         self.max_live_bytes = max_live_bytes
-        self._live: set = set(self.full_bytes)
-        self.live_bytes = sum(self.full_bytes.values())
+        self._live: set = {u.index for u in units}
+        self.live_bytes = sum(self.full_bytes[u.index] for u in units)
         self.peak_bytes = self.live_bytes
         self.cap_releases = 0            # units released to make room, this step
-        self._use = {i: UnitUse.IDLE for i in self.full_bytes}
         self._ahead: list = []           # AHEAD units, oldest first
         self._kept: list = []            # KEPT units, oldest first
 
     # ------------------------------------------------------------ accounting
 
-    def gathering(self, index: int) -> None:
-        if index in self._live:
-            raise RuntimeError(f"unit {self.names[index]}: gathered twice without a release")
-        self._live.add(index)
-        self.live_bytes += self.full_bytes[index]
+    def gathering(self, unit) -> None:
+        if unit.index in self._live:
+            raise RuntimeError(f"unit {unit.name}: gathered twice without a release")
+        self._live.add(unit.index)
+        self.live_bytes += self.full_bytes[unit.index]
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
-    def released(self, index: int) -> None:
-        if index not in self._live:
-            raise RuntimeError(f"unit {self.names[index]}: released while not gathered")
-        self._live.remove(index)
-        self.live_bytes -= self.full_bytes[index]
-        self.set_use(index, UnitUse.IDLE)
+    def released(self, unit) -> None:
+        if unit.index not in self._live:
+            raise RuntimeError(f"unit {unit.name}: released while not gathered")
+        self._live.remove(unit.index)
+        self.live_bytes -= self.full_bytes[unit.index]
+        self.set_use(unit, UnitUse.IDLE)
 
     def take_step_stats(self) -> dict:
         """This step's peak and cap releases; the next step's peak starts from what is live now."""
@@ -138,44 +122,41 @@ class LiveUnits:
 
     # ------------------------------------------------------------ use
 
-    def use(self, index: int) -> UnitUse:
-        return self._use[index]
-
-    def set_use(self, index: int, new: UnitUse) -> None:
-        old = self._use[index]
+    def set_use(self, unit, new: UnitUse) -> None:
+        """``unit.set_use(new)`` (checked there), keeping the releasable units' order."""
+        old = unit.set_use(new)
         if new is old:
             return
-        _MOVES.check(old, new, f"unit {self.names[index]}", what="use transition")
         for queue, state in ((self._ahead, UnitUse.AHEAD), (self._kept, UnitUse.KEPT)):
             if old is state:
-                queue.remove(index)
+                queue.remove(unit)
             if new is state:
-                queue.append(index)
-        self._use[index] = new
+                queue.append(unit)
 
     # ------------------------------------------------------------ the cap
 
-    def fits(self, index: int) -> bool:
-        """Would gathering unit ``index`` now keep live bytes within the cap?"""
-        return self.live_bytes + self.full_bytes[index] <= self.max_live_bytes
+    def fits(self, unit) -> bool:
+        """Would gathering ``unit`` now keep live bytes within the cap?"""
+        return self.live_bytes + self.full_bytes[unit.index] <= self.max_live_bytes
 
-    def victims_for(self, index: int, rank: int) -> list:
-        """Releasable units to free, in order, so unit ``index`` (needed now) fits; raises if none suffice."""
-        over = self.live_bytes + self.full_bytes[index] - self.max_live_bytes
+    def victims_for(self, unit, rank: int) -> list:
+        """Releasable units to free, in order, so ``unit`` (needed now) fits; raises if none suffice."""
+        size = self.full_bytes
+        over = self.live_bytes + size[unit.index] - self.max_live_bytes
         out = []
         # ahead, newest first (the furthest along the trace); then kept, oldest first (backward reaches them last)
-        for i in [*reversed(self._ahead), *self._kept]:
+        for u in [*reversed(self._ahead), *self._kept]:
             if over <= 0:
                 break
-            out.append(i)   # AHEAD and KEPT units are live: release() sets IDLE
-            over -= self.full_bytes[i]
+            out.append(u)   # AHEAD and KEPT units are live: release() sets IDLE
+            over -= size[u.index]
         if over > 0:
-            held = ", ".join(f"{self.names[i]} ({self.full_bytes[i]} bytes, {self._use[i].value})"
-                             for i in sorted(self._live) if i not in out)
-            need = self.live_bytes + self.full_bytes[index] - sum(self.full_bytes[i] for i in out)
+            held = ", ".join(f"{u.name} ({size[u.index]} bytes, {u.use.value})"
+                             for u in self.units if u.index in self._live and u not in out)
+            need = self.live_bytes + size[unit.index] - sum(size[u.index] for u in out)
             raise RuntimeError(
                 f"{KEY} = {self.max_live_bytes} bytes cannot be honoured on rank {rank}: unit "
-                f"{self.names[index]} ({self.full_bytes[index]} bytes) is needed now while units that may not "
+                f"{unit.name} ({size[unit.index]} bytes) is needed now while units that may not "
                 f"be released are gathered: {held or 'none'}; together {need} bytes. Set {KEY} to at "
                 f"least {need} (a unit whose forward runs inside another unit's needs both)")
         self.cap_releases += len(out)

@@ -16,11 +16,17 @@ placed on host or NVMe): the engine asks a shard for the parameter to gather,
 folds a reduced gradient into it, takes its optimizer job fields, and saves or
 loads it for checkpoints, without knowing where it lives.
 
-A :class:`FlatUnit` is also the unit's runtime state during a step (the role of
-FSDP2's ``FSDPParamGroup``): its gather state, the gradients still to arrive in
-this backward, which slots were written since ``zero_grad``, whether its
-gradient shard still holds values from before ``zero_grad``, and whether the
-running optimizer step has updated it.
+A :class:`FlatUnit` is also the unit's one runtime object during a step (the
+role of FSDP2's ``FSDPParamGroup``, which likewise keeps its sharded state and
+its training state apart): where its full parameters are (:class:`UnitState`,
+with the in-flight all-gather) and why the step wants them (:class:`UnitUse`),
+both checked on every change; the gradients still to arrive in this backward,
+which slots were written since ``zero_grad``, whether its gradient shard still
+holds values from before ``zero_grad``, its last fold's pending write, the
+bytes of activations its forward moved out (``zero.activation_offload``), and
+whether the running optimizer step has updated it. The parts that drive a step
+(gathers, gradient reducer, update schedule, activation offload) keep no
+per-unit maps of their own: they read and set these.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import torch.nn as nn
 from infinity.transitions import Transitions
 
 __all__ = [
-    "DIRECT_IO_ALIGN_BYTES", "UnitState", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
+    "DIRECT_IO_ALIGN_BYTES", "UnitState", "UnitUse", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
     "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure", "memory_bytes",
 ]
 
@@ -56,6 +62,24 @@ _MOVES = Transitions("unit gather state", {
     UnitState.SHARDED: {UnitState.GATHERING},
     UnitState.GATHERING: {UnitState.GATHERED},
     UnitState.GATHERED: {UnitState.SHARDED},
+})
+
+
+class UnitUse(enum.Enum):
+    """Why the step wants a unit's full parameters; decides whether ``prefetch.max_live_bytes`` may release
+    them (:mod:`infinity.zero.live_units`)."""
+
+    IDLE = "idle"        # not wanted by the step: sharded, or gathered outside it (engine.gathered())
+    AHEAD = "ahead"      # gathered early by prefetch, not used yet: released first when room is needed
+    IN_USE = "in_use"    # its forward or backward is running (the root: through backward): never released
+    KEPT = "kept"        # forward done, kept for backward (reshard_after_forward off): released under pressure
+
+
+_USES = Transitions("unit use", {
+    UnitUse.IDLE: {UnitUse.AHEAD, UnitUse.IN_USE},
+    UnitUse.AHEAD: {UnitUse.IN_USE, UnitUse.IDLE},
+    UnitUse.IN_USE: {UnitUse.KEPT, UnitUse.IDLE},
+    UnitUse.KEPT: {UnitUse.IN_USE, UnitUse.IDLE},
 })
 
 
@@ -120,7 +144,8 @@ class FlatUnit:
         self.full_grad: torch.Tensor | None = None    # reduce dtype, padded_numel, while gradients accumulate
         self.shard: UnitShard | None = None
         # ---- runtime state of the step (reset by the engine; see the module doc)
-        self.gather = None                  # the in-flight all-gather while GATHERING (engine-private)
+        self.gather = None                  # the in-flight all-gather while GATHERING (UnitGathers')
+        self.use = UnitUse.IDLE             # why the step wants the full parameters (set_use: checked)
         self.grads_pending = len(slots)     # parameter gradients still to arrive in this backward
         self.reduced = False                # this backward's reduction of the unit has been launched
         self.unwritten: set | None = None   # slot offsets not written since zero_grad (None: all real)
@@ -128,6 +153,10 @@ class FlatUnit:
         # the clip norm's squared sums of the gradient shard, per piece start, taken at its last fold while
         # it was in memory (GradReducer.clip reads none back); None: not taken
         self.grad_square_sums: dict | None = None
+        # its last fold's pending write while that may still be in flight, until the fold is handed on
+        # (FoldedGrads.take_folded); None: nothing pending or the gradient lives in memory
+        self.pending_fold = None
+        self.offloaded_bytes = 0            # activations its last training forward moved out of the device
         self.updated = False                # the running optimizer step has updated this unit's shard
         self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
 
@@ -138,6 +167,13 @@ class FlatUnit:
     def start_backward_pass(self) -> None:
         """A new backward pass: every parameter's gradient is still to come."""
         self.grads_pending, self.reduced = len(self.slots), False
+
+    def set_use(self, new: UnitUse) -> UnitUse:
+        """Change why the step wants this unit (a checked transition); returns the use it had."""
+        old = self.use
+        if new is not old:
+            self.use = _USES.check(old, new, f"unit {self.name}", what="use transition")
+        return old
 
     @property
     def is_root(self) -> bool:

@@ -11,14 +11,14 @@ from infinity.comm.unit_collectives import UnitCollectives
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.trace import Tracer
 from infinity.zero.gathers import UnitGathers
-from infinity.zero.live_units import LiveUnits, UnitUse
-from infinity.zero.units import TensorClass, UnitState
+from infinity.zero.live_units import LiveUnits
+from infinity.zero.units import TensorClass, UnitState, UnitUse
 from unit_parts import Blocks, NoUpdate, make_units
 
 
 def _gathers(units: list, max_live_bytes: int, reshard_after_forward: bool = True) -> UnitGathers:
     full = {u.index: u.padded_numel * 4 for u in units}
-    live = LiveUnits(full, {u.index: u.name for u in units}, max_live_bytes)
+    live = LiveUnits(units, full, max_live_bytes)
     prefetcher = TracePrefetcher({u.index: u.shard_numel * 4 for u in units}, prefetch_bytes=0)
     g = UnitGathers(units, UnitCollectives(LocalCollectives()), live, prefetcher, NoUpdate(), Tracer(0),
                     reshard_after_forward, rank=0)
@@ -40,7 +40,7 @@ def test_release_frees_the_full_buffer_and_a_gather_brings_back_the_shard():
     assert g.live.live_bytes == 0
     unit = units[0]
     g.acquire(unit)
-    assert unit.state is UnitState.GATHERED and g.live.use(unit.index) is UnitUse.IN_USE
+    assert unit.state is UnitState.GATHERED and unit.use is UnitUse.IN_USE
     assert torch.equal(unit.full_param, unit.shard.get(TensorClass.PARAM))
     for slot, p in zip(unit.slots, unit.params):
         assert torch.equal(p, expected[slot.name])
@@ -59,7 +59,7 @@ def test_kept_units_wait_for_backward_and_are_released_for_room_oldest_first():
     for u in units[:2]:
         g.acquire(u)
         g.after_forward(u)              # kept for backward
-        assert g.live.use(u.index) is UnitUse.KEPT
+        assert u.use is UnitUse.KEPT
     g.acquire(units[2])                 # no room: the oldest kept unit goes
     assert units[0].state is UnitState.SHARDED and units[1].state is UnitState.GATHERED
     assert g.live.take_step_stats()["live_cap_releases"] == 1

@@ -243,37 +243,40 @@ def _check(specs: dict, got: dict, rank: int) -> None:
 # ---------------------------------------------------------------- the bookkeeping alone
 
 def test_live_units_release_order_and_transitions():
-    from infinity.zero.live_units import LiveUnits, UnitUse
-    live = LiveUnits({0: 40, 1: 10, 2: 10, 3: 10, 4: 10}, {i: f"u{i}" for i in range(5)}, max_live_bytes=70)
+    from infinity.zero.live_units import LiveUnits
+    from infinity.zero.units import FlatUnit, UnitUse
+    u = [FlatUnit(i, f"u{i}", torch.nn.Module(), [], [], {}, shard_world=1, align_numel=1) for i in range(5)]
+    live = LiveUnits(u, {0: 40, 1: 10, 2: 10, 3: 10, 4: 10}, max_live_bytes=70)
     for i in range(5):   # units start gathered, as FlatUnits do
-        live.released(i)
+        live.released(u[i])
     live.reset_step()
     for i, use in ((0, UnitUse.IN_USE), (1, UnitUse.IN_USE), (2, UnitUse.AHEAD), (3, UnitUse.AHEAD)):
-        live.set_use(i, use)
-        live.gathering(i)
-    live.set_use(1, UnitUse.KEPT)
-    assert not live.fits(4) and live.live_bytes == 70
-    assert live.victims_for(4, rank=0) == [3]              # the newest ahead unit first
-    live.released(3)
-    live.gathering(4)
-    live.set_use(4, UnitUse.IN_USE)
-    assert live.victims_for(3, rank=0) == [2]              # then the other ahead one
-    live.released(2)
-    live.set_use(4, UnitUse.KEPT)
-    live.gathering(2)
-    live.set_use(2, UnitUse.IN_USE)
-    assert live.victims_for(3, rank=0) == [1]              # then kept ones, oldest first
+        live.set_use(u[i], use)
+        live.gathering(u[i])
+    live.set_use(u[1], UnitUse.KEPT)
+    assert not live.fits(u[4]) and live.live_bytes == 70
+    assert live.victims_for(u[4], rank=0) == [u[3]]           # the newest ahead unit first
+    live.released(u[3])
+    live.gathering(u[4])
+    live.set_use(u[4], UnitUse.IN_USE)
+    assert live.victims_for(u[3], rank=0) == [u[2]]           # then the other ahead one
+    live.released(u[2])
+    live.set_use(u[4], UnitUse.KEPT)
+    live.gathering(u[2])
+    live.set_use(u[2], UnitUse.IN_USE)
+    assert live.victims_for(u[3], rank=0) == [u[1]]           # then kept ones, oldest first
     assert live.take_step_stats() == {"live_peak_bytes": 70, "live_cap_releases": 3}
     assert live.peak_bytes == 70 and live.cap_releases == 0   # the next step starts from what is live
-    live.set_use(1, UnitUse.IN_USE)
-    live.set_use(4, UnitUse.IN_USE)
+    live.set_use(u[1], UnitUse.IN_USE)
+    live.set_use(u[4], UnitUse.IN_USE)
     with pytest.raises(RuntimeError, match=r"prefetch.max_live_bytes = 70 bytes cannot be honoured on rank 3: "
                                            r"unit u3 \(10 bytes\).*u0 \(40 bytes, in_use\).*at least 80"):
-        live.victims_for(3, rank=3)
+        live.victims_for(u[3], rank=3)
     with pytest.raises(RuntimeError, match="illegal use transition in_use -> ahead"):
-        live.set_use(0, UnitUse.AHEAD)
+        live.set_use(u[0], UnitUse.AHEAD)
+    assert u[0].use is UnitUse.IN_USE                          # the refused move changed nothing
     with pytest.raises(RuntimeError, match="u3: released while not gathered"):
-        live.released(3)
+        live.released(u[3])
 
 
 def test_check_cap_names_root_and_largest_unit():
@@ -337,7 +340,7 @@ def test_engine_never_exceeds_the_cap_in_any_order():
             engine.gathers.release(u)
         for op, i in ops:
             unit = engine.units[i]
-            in_use = {j for j in full if engine.live.use(j) is UnitUse.IN_USE}
+            in_use = {j for j in full if engine.units[j].use is UnitUse.IN_USE}
             if op == "use":
                 try:
                     engine.gathers.acquire(unit)
@@ -346,7 +349,7 @@ def test_engine_never_exceeds_the_cap_in_any_order():
                     assert sum(full[j] for j in in_use) + full[i] > engine.live.max_live_bytes
             elif op == "ahead":
                 engine.gathers.gather_ahead(unit)
-            elif op == "forward_done" and engine.live.use(i) is UnitUse.IN_USE:
+            elif op == "forward_done" and unit.use is UnitUse.IN_USE:
                 engine.gathers.after_forward(unit)
             elif op == "release":
                 engine.gathers.release(unit)
