@@ -75,7 +75,7 @@ def test_estimate_prints_the_minimum_budgets_and_the_rss_bound(capsys, tmp_path)
     model, _ = infinity.initialize(GPT(gpt_config("tiny")), {"zero": {"stage": 3}, "offload": {
         "optimizer": "nvme", "params": "nvme", "grads": "nvme"}, "tiers": {"nvme_path": str(tmp_path)}})
     engine = infinity.engine_of(model)
-    need = engine.placement.min_budgets(engine.units, 3, 4, 4)
+    need = engine.placement.min_budgets()
     engine.close()
     host, device = need[Tier.HOST][0], need[Tier.DEVICE][0]
     assert f"tiers.host_bytes >= {host} bytes" in out and f"tiers.device_bytes >= {device} bytes" in out

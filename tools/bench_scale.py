@@ -73,6 +73,7 @@ from infinity.store import Tier
 from infinity.zero.engine import DTYPES
 from infinity.zero.memory_report import reset_peak_rss
 from infinity.zero.placement import Placement
+from infinity.zero.stage import StagePolicy
 
 SIZES = {  # layers, width, heads: the peers' table, and 4b = 4.07B params, the first >= 4.0B at width 2560;
     # 7b = 6.65B params, Llama-2-7B's depth and width (32 x 4096) in GPT-2's blocks
@@ -199,8 +200,8 @@ def disk_need(a) -> dict:
     config is counted as the built-in one (everything on NVMe, fp32 master: the most the planner can store)."""
     config = Config.from_dict(builtin_config(a) if wants_auto(a.conf) else a.conf)
     placement = Placement.from_config(config)
-    sizes = placement.stored_itemsizes(config.zero.stage, DTYPES[a.dtypes["infinity_stored"]].itemsize,
-                                       DTYPES[config.precision.reduce_dtype].itemsize)
+    sizes = placement.of((), StagePolicy.of(config.zero.stage), DTYPES[a.dtypes["infinity_stored"]].itemsize,
+                         DTYPES[config.precision.reduce_dtype].itemsize).stored_itemsizes()
     # update_at speculative: each class Adam writes has a spare copy beside it (Placement.copies)
     per_param = sum(n * placement.copies(cls) for cls, n in sizes.items() if placement.home(cls) is Tier.NVME)
     ours = int(a.n_params * per_param) + GIB   # the swap file grows in steps of up to 1 GiB (int8: 65/64 B)

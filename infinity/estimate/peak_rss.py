@@ -26,6 +26,7 @@ from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.live_units import resolve_cap
 from infinity.zero.memory_report import SavedTensorMeter, rss_bytes, warm_torch
 from infinity.zero.placement import Placement
+from infinity.zero.stage import StagePolicy
 from infinity.zero.units import group_index, plan_units, shard_align_numel
 
 __all__ = ["RssBound", "predict_peak_rss", "bound_for_model", "gpt_bound", "meta_activation_bytes", "min_budgets",
@@ -146,13 +147,15 @@ def _resident_bytes(units: list, placement: Placement, stage: int, param_itemsiz
 
 
 def min_budgets(units: list, config: Config) -> dict:
-    """``initialize``'s minimum tier budgets for these units: :meth:`Placement.min_budgets`, the check
-    ``initialize`` runs ({Tier: (bytes, why)}); None when nothing is offloaded (no budgets apply)."""
+    """``initialize``'s minimum tier budgets for these units (:meth:`UnitPlacement.min_budgets
+    <infinity.zero.placement.UnitPlacement.min_budgets>`, the check ``initialize`` runs): ``{Tier: (bytes,
+    why)}``; None when nothing is offloaded (no budgets apply)."""
     placement = Placement.from_config(config)
     if not placement.any_offload:
         return None
-    return placement.min_budgets(units, config.zero.stage, DTYPES[nominal_dtypes(config.precision)[0]].itemsize,
-                                 DTYPES[config.precision.reduce_dtype].itemsize)
+    stored = DTYPES[nominal_dtypes(config.precision)[0]].itemsize
+    return placement.of(units, StagePolicy.of(config.zero.stage), stored,
+                        DTYPES[config.precision.reduce_dtype].itemsize).min_budgets()
 
 
 def meta_activation_bytes(model: nn.Module, forward) -> int:

@@ -7,9 +7,9 @@ backward, step), so a prediction and a run compare term by term. Each comes from
 
 - compute: the model's measured forward / backward at the step's tokens (activation checkpointing
   adds one block forward per checkpointed block to backward).
-- bytes: :meth:`Placement.stored_itemsizes` per stored class (so a new state format changes the
-  counts here through placement, not a table of its own), chunks from :meth:`Placement.chunk_numel`,
-  and the chunks kept in host memory for good from :meth:`Placement.host_resident_plan`, exactly as
+- bytes: :meth:`UnitPlacement.stored_itemsizes` per stored class (so a new state format changes the
+  counts here through placement, not a table of its own), chunks from :meth:`UnitPlacement.chunk_numel`,
+  and the chunks kept in host memory for good from :meth:`UnitPlacement.host_resident_plan`, exactly as
   ``initialize`` lays them out. A chunk on NVMe and not resident is read and written each time the
   step walks it (an LRU cache smaller than the walk hits nothing: :mod:`infinity.zero.placement`);
   backward re-reads the parameter shards the device tier could not keep since forward. Exact for
@@ -56,7 +56,7 @@ from infinity.estimate.peak_rss import RssBound, predict_peak_rss
 from infinity.store import Tier, host_cache
 from infinity.store.host_malloc import GLIBC_MAX_MMAP_THRESHOLD, mmap_threshold
 from infinity.zero.engine import DTYPES
-from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, chunk_bounds
+from infinity.zero.placement import OPTIMIZER_CLASSES, RESIDENT_RESERVE_JOBS, Placement, UnitPlacement, chunk_bounds
 from infinity.zero.stage import StagePolicy
 from infinity.zero.stats import PHASES, TERMS
 from infinity.zero.units import TensorClass
@@ -115,6 +115,13 @@ def _beside_disk(cpu_s: float, disk_s: float, slowdown: float) -> float:
     return cpu_s + (slowdown - 1.0) * min(cpu_s, disk_s)
 
 
+def unit_placement(layout: Layout, config: Config) -> UnitPlacement:
+    """The config's placement handed the layout's units, the stage policy and the stored itemsizes."""
+    return Placement.from_config(config).of(layout.units, StagePolicy.of(config.zero.stage),
+                                            DTYPES[config.precision.param_dtype].itemsize,
+                                            DTYPES[config.precision.reduce_dtype].itemsize)
+
+
 def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
     """Bytes per step by class and direction, per rank: ``{"read": {phase: bytes}, "write": {phase: bytes},
     "moved": {"nvme->host": .., ...}, "first_read": bytes, "chunk": (read, write) bytes of one
@@ -122,14 +129,13 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
     stage = config.zero.stage
     p_size = DTYPES[config.precision.param_dtype].itemsize
     r_size = DTYPES[config.precision.reduce_dtype].itemsize
-    placement = Placement.from_config(config)
+    placement = unit_placement(layout, config)
     units = layout.units
-    sizes = placement.stored_itemsizes(stage, p_size, r_size)
-    chunk = placement.chunk_numel(stage, p_size, r_size)
+    sizes = placement.stored_itemsizes()
+    chunk = placement.chunk_numel()
     plan = {}
     if placement.any_offload:
-        room = placement.resident_room(units, stage, p_size, r_size, host_bytes)
-        plan = placement.host_resident_plan(units, stage, p_size, r_size, room)
+        plan = placement.host_resident_plan(placement.resident_room(host_bytes))
     on_disk = {cls: 0 for cls in TensorClass}   # bytes homed on NVMe and not resident, per class
     root_param = 0
     root_job = {"states": 0, "grads": 0, "write": 0}   # the root unit's update: its gradient is final last
@@ -173,8 +179,8 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
         if shard_param > root_shard:
             again = int(miss * (params - root_param) / (shard_param - root_shard))
     # a speculative update keeps its gradients for a redo: written home in backward as each update is done
-    # where the host cannot hold them all (Placement.writes_kept_grads), else held (nothing moves)
-    kept_written = deferred and placement.writes_kept_grads(units, stage, p_size, r_size, plan, host_bytes)
+    # where the host cannot hold them all (UnitPlacement.writes_kept_grads), else held (nothing moves)
+    kept_written = deferred and placement.writes_kept_grads(plan, host_bytes)
     read = {"forward": params - root_param,                      # every unit once; the root stays gathered
             "backward": again,
             "step": states + (0 if deferred else grads)}
@@ -236,7 +242,7 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     stage = config.zero.stage
     p_size = DTYPES[config.precision.param_dtype].itemsize
     r_size = DTYPES[config.precision.reduce_dtype].itemsize
-    placement = Placement.from_config(config)
+    placement = unit_placement(layout, config)
     units = layout.units
     shard_numel = sum(u.shard_numel for u in units)
     full_numel = sum(u.padded_numel for u in units)
@@ -398,8 +404,8 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
                     activation_bytes=activations)
     if not placement.any_offload:
         return bound
-    homed, _, _, _, chunk_job = placement._host_working_set(units, stage, p_size, r_size)
-    resident = placement.resident_bytes(units, stage, p_size, r_size, traffic["plan"])
+    homed, _, _, _, chunk_job = placement.host_working_set()
+    resident = placement.resident_bytes(traffic["plan"])
     # kept clean in the host tier's cache until read again in the same step: stage 3's parameter shards (read in
     # forward, again in backward) and gradients written home in backward (read by the step)
     cached = (traffic["read"]["forward"] if stage == 3 else 0) + traffic["write"]["backward"]

@@ -11,7 +11,7 @@ bytes through the disk wins among them; the next best are kept with the terms th
 request nothing fits is refused before anything is allocated, naming the least memory that would run.
 
 Adding a knob or a mode is a row in :data:`DIMENSIONS` (a config key and its values); a stored
-state format needs its bytes in :meth:`Placement.stored_itemsizes` and its CPU Adam rate in
+state format needs its bytes in :meth:`~infinity.zero.placement.UnitPlacement.stored_itemsizes` and its CPU Adam rate in
 :data:`infinity.plan.rates.ADAM_MODES`.
 """
 
@@ -26,14 +26,13 @@ import torch.nn as nn
 
 from infinity.config import Config, ConfigError, format_size
 from infinity.precision import PrecisionChoice, nominal_dtypes
-from infinity.plan.cost import Layout, Prediction, predict
+from infinity.plan.cost import Layout, Prediction, predict, unit_placement
 from infinity.plan.rates import ComputeRates, PlanInputError, Rates
 from infinity.store import Tier
 from infinity.store.budget import resolve_budgets
 from infinity.zero.engine import DTYPES
 from infinity.zero.live_units import resolve_cap
 from infinity.zero.memory_report import rss_bytes, warm_torch
-from infinity.zero.placement import Placement
 from infinity.zero.stats import PHASES, TERMS
 from infinity.zero.units import group_index, plan_units, shard_align_numel
 
@@ -338,7 +337,7 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     stage = config.zero.stage
     p_size = DTYPES[config.precision.param_dtype].itemsize
     r_size = DTYPES[config.precision.reduce_dtype].itemsize
-    placement = Placement.from_config(config)
+    placement = unit_placement(layout, config)
     # a gathered unit is held in the compute dtype once upcast (fp32 over bf16 parameters)
     held = max(p_size, DTYPES[nominal_dtypes(config.precision)[1]].itemsize)
     full = {u.name: u.padded_numel * held for u in layout.units}
@@ -355,7 +354,7 @@ def _judge(knobs: dict, config: Config, layout: Layout, compute, rates, world: i
     needs = {"device_bytes": on_device, "host_bytes": act_host}
     tier_budgets = {Tier.HOST: host_grant, Tier.DEVICE: 0}
     if placement.any_offload:
-        least = placement.min_budgets(layout.units, stage, p_size, r_size)
+        least = placement.min_budgets()
         needs["host_bytes"] = least[Tier.HOST][0] + act_host
         needs["device_bytes"] = on_device + least[Tier.DEVICE][0]
         device_tier = max(device_grant - on_device, least[Tier.DEVICE][0])

@@ -36,6 +36,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from infinity.store.residency import StoreError, Tier
+from infinity.zero.pins import PinOwner
 
 __all__ = ["ActivationOffload", "ActivationOffloadError", "SavedActivation", "MIN_BYTES", "dense_flat"]
 
@@ -201,7 +202,7 @@ class ActivationOffload:
             _wait(store, handle.brought, handle, "reading")
         else:
             _wait(store, handle.written, handle, "writing")
-        owner = ("activation", handle.seq)
+        owner = PinOwner.activation(handle.seq)
         try:
             if self.device.type == "cpu":
                 # the device is host memory: autograd gets a view of the host copy, pinned until the handle
@@ -264,7 +265,7 @@ class ActivationOffload:
             key = self._dropped.popleft()
             if key in self._pinned:
                 self._pinned.discard(key)
-                self.store.unpin(key, Tier.HOST, owner=("activation", int(key.rsplit("/", 1)[1])))
+                self.store.unpin(key, Tier.HOST, owner=PinOwner.activation(int(key.rsplit("/", 1)[1])))
             if key in self.store:   # a failed write registered nothing
                 self.store.release(key)
 

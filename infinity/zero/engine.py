@@ -115,7 +115,6 @@ class ZeroEngine:
         baseline_rss_bytes = rss_bytes()   # first: the memory report's baseline is the RSS before any shard
         self.config = config
         self.policy = StagePolicy.of(config.zero.stage)
-        self.placement = Placement.from_config(config)
         self.coll = collectives if collectives is not None else make_collectives()
         self.rank, self.world_size = self.coll.rank, self.coll.world_size   # on the data-parallel axis
         # tensor parallelism (infinity.parallel.tensor_parallel): the engine shards this rank's tp-local
@@ -147,6 +146,9 @@ class ZeroEngine:
         align = shard_align_numel({self.param_dtype, self.reduce_dtype, torch.float32})
         self.units = plan_units(model, group_of, config.zero.unit_classes, self.shard_world, align)
         check_structure(self.units, self.coll)
+        # where each tensor class of these units lives, sized once for the stored dtypes
+        self.placement = Placement.from_config(config).of(self.units, self.policy, _itemsize(self.param_dtype),
+                                                          _itemsize(self.reduce_dtype))
         # a gathered unit's bytes: in the compute dtype once upcast (the stored-dtype buffer is freed then)
         held = max(_itemsize(self.param_dtype), _itemsize(self.compute_dtype))
         full_bytes = {u.index: u.padded_numel * held for u in self.units}
@@ -173,7 +175,6 @@ class ZeroEngine:
             set_node_layout(config.zeropp, self.coll)
             self.unit_comm = UnitCollectives(self.coll)
 
-        sizes = (self.stage, _itemsize(self.param_dtype), _itemsize(self.reduce_dtype))
         offload_activations = config.zero.activation_offload != "none"
         if self.placement.any_offload or offload_activations:   # refused before anything is written
             # device auto leaves room for what the step holds outside the store: gathered parameters
@@ -182,7 +183,7 @@ class ZeroEngine:
             grads = gathered * _itemsize(self.reduce_dtype) // held
             headroom = DeviceHeadroom(working_set_bytes=gathered + grads + config.zero.bucket_bytes)
             budgets = resolve_budgets(config.tiers, self.device, headroom)
-            self.placement.check_budgets(self.units, *sizes, budgets)
+            self.placement.check_budgets(budgets)
         # from here on the engine holds threads and files: a failure must not leave them behind
         try:
             if self.placement.any_offload or offload_activations:
@@ -190,7 +191,7 @@ class ZeroEngine:
                                          budgets=budgets)   # "auto" measured once, checked above
                 self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
             if self.placement.any_offload:
-                self._new_shard = store_shards(self.store, self.placement, *sizes, self.units, budgets)
+                self._new_shard = store_shards(self.store, self.placement, budgets)
             self.activations = ActivationOffload(self.store, config.zero.activation_offload, self.device,
                                                  config.prefetch.bytes) if offload_activations else None
             self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,

@@ -38,8 +38,7 @@ import torch
 
 from infinity.store import BudgetError
 
-__all__ = ["PendingFold", "FoldStaging", "all_folds", "fold_owner", "is_fold_owner", "STAGING_BUFFERS",
-           "CLAIMS_IN_FLIGHT"]
+__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
 
 # Staging buffers for accumulation folds in flight at once: one being copied while the one before
 # is folded; more would only hold host memory while the same copy lane drains them in order.
@@ -48,19 +47,6 @@ STAGING_BUFFERS = 2
 # A claim that also writes home is in flight until the write is done, so this keeps at most that many
 # gradient writes queued too: about the I/O engine's queue depth, more would only wait there.
 CLAIMS_IN_FLIGHT = 8
-
-
-def fold_owner(unit_index: int, chunk: int) -> tuple:
-    """The store pin owner of a fold's brought sum (unit ``unit_index``'s gradient chunk ``chunk``)."""
-    return ("fold", unit_index, chunk)
-
-
-def is_fold_owner(owner) -> bool:
-    """Whether a pin's owner token is a gradient fold's. Such pins are dropped without waiting for an
-    overlapped update's pipeline: a fold waits for that pipeline's room only with no fold of its rank in
-    flight (:meth:`FoldStaging.with_room` finishes them first), and a staging buffer it cannot get at once
-    makes it fold the blocking way. So that pipeline may wait for them (``AdamPipeline(yields_to=...)``)."""
-    return isinstance(owner, tuple) and len(owner) == 3 and owner[0] == "fold"
 
 
 class PendingFold:
@@ -155,7 +141,7 @@ class FoldStaging:
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
         ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
         raises BudgetError at once (the caller folds the blocking way): it never waits for room another
-        party holds, as the caller's brought sum may be pinned meanwhile (see :func:`is_fold_owner`)."""
+        party holds, as the caller's brought sum may be pinned meanwhile (see :func:`~infinity.zero.pins.held_by_fold`)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
         buf = self.with_room(lambda: self.store.host_scratch(nbytes))
@@ -172,7 +158,7 @@ class FoldStaging:
 
         def done() -> None:
             # the buffer goes back before cleanup unpins the brought sum: a party waiting for that pin
-            # to go (is_fold_owner) then finds the staging room free too
+            # to go (pins.held_by_fold) then finds the staging room free too
             try:
                 self._give_back(buf)
             finally:

@@ -11,7 +11,7 @@ per use; ``nvme`` frees host memory too at the cost of disk bandwidth, which
 the optimizer pipeline and the prefetcher hide as far as the disk allows.
 
 Chunks of an ``nvme`` class may be homed in host memory instead, for good
-(``offload.host_resident_bytes``, :meth:`Placement.host_resident_plan`): the host
+(``offload.host_resident_bytes``, :meth:`UnitPlacement.host_resident_plan`): the host
 budget beyond the step's working room. An LRU cache of that room would hit
 nothing, since a step walks every unit in the same order and evicts each chunk
 just before it is needed again; a resident chunk is never read or written again.
@@ -20,7 +20,7 @@ just before it is needed again; a resident chunk is never read or written again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from infinity.config import Config, ConfigError, format_size
 from infinity.optim.moment_codes import moment_format
@@ -28,7 +28,7 @@ from infinity.store import Tier
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
-__all__ = ["Placement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
+__all__ = ["Placement", "UnitPlacement", "store_key", "chunk_bounds", "CHUNK_ALIGN_NUMEL", "OPTIMIZER_CLASSES"]
 
 # a chunk's element count is a multiple of this: 4096 elements are 4096-byte aligned in any dtype
 CHUNK_ALIGN_NUMEL = 4096
@@ -138,25 +138,46 @@ class Placement:
         its scale: whole blocks give whole bytes, and every shard and chunk is whole blocks)."""
         return moment_format(self.moments_format).itemsize
 
-    def stored_itemsizes(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
+    def of(self, units, policy: StagePolicy, param_itemsize: int, reduce_itemsize: int) -> "UnitPlacement":
+        """This placement handed, once, the units it places, the stage policy and the stored itemsizes of
+        parameters and gradients: what it stores of them and the room that needs."""
+        return UnitPlacement(**{f.name: getattr(self, f.name) for f in fields(Placement)}, units=tuple(units),
+                             policy=policy, param_itemsize=param_itemsize, reduce_itemsize=reduce_itemsize)
+
+    def describe(self) -> dict:
+        return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}
+
+
+@dataclass(frozen=True)
+class UnitPlacement(Placement):
+    """A :class:`Placement` handed the units it places, the stage policy and the stored itemsizes once
+    (:meth:`Placement.of`): what it stores of those units, in chunks of what size, and the host and device
+    room that needs. The engine, the planner and the estimator ask it with no sizes of their own."""
+
+    units: tuple = field(kw_only=True)
+    policy: StagePolicy = field(kw_only=True)
+    param_itemsize: int = field(kw_only=True)    # bytes per element of the stored (gathered) parameters
+    reduce_itemsize: int = field(kw_only=True)   # bytes per element of the reduced gradients
+
+    def stored_itemsizes(self) -> dict:
         """Bytes per element of each class this placement stores (host or NVMe), as one optimizer job
         brings them: ``{TensorClass: itemsize}``; a master that is the parameter counts once."""
         moment = self.moment_itemsize
-        sizes = {TensorClass.PARAM: param_itemsize, TensorClass.EXP_AVG: moment, TensorClass.EXP_AVG_SQ: moment,
-                 TensorClass.MASTER: self.master_itemsize(param_itemsize),
-                 TensorClass.GRAD: reduce_itemsize}
-        if StagePolicy.of(stage).grads_in_arena:
+        sizes = {TensorClass.PARAM: self.param_itemsize, TensorClass.EXP_AVG: moment,
+                 TensorClass.EXP_AVG_SQ: moment, TensorClass.MASTER: self.master_itemsize(self.param_itemsize),
+                 TensorClass.GRAD: self.reduce_itemsize}
+        if self.policy.grads_in_arena:
             sizes.pop(TensorClass.GRAD)   # stages 0-1 keep gradients in the in-memory arena
         return {cls: n for cls, n in sizes.items() if n and self.home(cls) is not None}
 
-    def chunk_numel(self, stage: int, param_itemsize: int, reduce_itemsize: int) -> int:
+    def chunk_numel(self) -> int:
         """Elements per chunk of a stored unit shard: as many as fit ``chunk_bytes`` with every stored
         class of the chunk brought at once, in whole multiples of :data:`CHUNK_ALIGN_NUMEL` (direct I/O
         alignment for any dtype), at least one multiple."""
-        per_element = sum(self.stored_itemsizes(stage, param_itemsize, reduce_itemsize).values()) or 1
+        per_element = sum(self.stored_itemsizes().values()) or 1
         return max(CHUNK_ALIGN_NUMEL, int(self.chunk_bytes // per_element) // CHUNK_ALIGN_NUMEL * CHUNK_ALIGN_NUMEL)
 
-    def min_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> dict:
+    def min_budgets(self) -> dict:
         """The least host and device tier budgets a training step needs with this placement:
         ``{Tier.HOST: (bytes, why), Tier.DEVICE: (bytes, why)}``.
 
@@ -167,22 +188,22 @@ class Placement:
         Device (stage 3, parameters stored): a unit's all-gather reads a device copy of its shard,
         so the largest parameter shard must fit.
         """
-        homed, worst, worst_unit, deferred, _ = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        homed, worst, worst_unit, deferred, _ = self.host_working_set()
+        chunk = self.chunk_numel()
         host = homed + worst
         why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
             (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host"
              + ("; its whole gradient shard waits there, the update overlapping backward" if deferred else "")
              + "; offload.chunk_bytes caps the rest)" if worst_unit is not None else "")
         device, device_why = 0, "no stored parameters gathered"
-        if StagePolicy.of(stage).shard_params and self.params is not None:
+        if self.policy.shard_params and self.params is not None:
             # a gather pins one chunk of the shard at a time (the whole shard when it is one chunk)
-            largest = max(units, key=lambda u: u.shard_numel)
-            device = min(largest.shard_numel, chunk) * param_itemsize
+            largest = max(self.units, key=lambda u: u.shard_numel)
+            device = min(largest.shard_numel, chunk) * self.param_itemsize
             device_why = f"the all-gather of unit {largest.name!r} reads {device} bytes of its parameter shard there"
         return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
 
-    def _host_working_set(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int) -> tuple:
+    def host_working_set(self) -> tuple:
         """``(homed, worst, worst_unit, deferred, chunk_job)``: bytes of host-homed shards; the largest
         optimizer job's host bytes and its unit's name; whether gradient writes are deferred; and the
         largest job's bytes of one chunk, without a deferred unit's whole gradient.
@@ -190,11 +211,11 @@ class Placement:
         Deferred gradients (the update overlaps backward) wait in host memory until their update, and a
         unit's updates start once its whole gradient shard is folded: every chunk's gradient at once.
         """
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
+        sizes = self.stored_itemsizes()
+        chunk = self.chunk_numel()
         deferred = self.defer_grad_writes and self.home(TensorClass.GRAD) is Tier.NVME and TensorClass.GRAD in sizes
         homed, worst, worst_unit, chunk_job = 0, 0, None, 0
-        for u in units:
+        for u in self.units:
             job = one_chunk = 0
             for cls, itemsize in sizes.items():   # int8 moments: 65/64 B, whole blocks give whole bytes
                 if self.home(cls) is Tier.HOST:   # with spares: homed twice
@@ -208,11 +229,10 @@ class Placement:
                 worst, worst_unit = job, u.name
         return homed, worst, worst_unit, deferred, chunk_job
 
-    def check_budgets(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
-                      budgets: dict) -> None:
+    def check_budgets(self, budgets: dict) -> None:
         """Raise ConfigError if a tier's budget (``budgets[tier]``, bytes) is below :meth:`min_budgets`,
         naming the key, the minimum and why."""
-        need = self.min_budgets(units, stage, param_itemsize, reduce_itemsize)
+        need = self.min_budgets()
         for tier, key in ((Tier.HOST, "tiers.host_bytes"), (Tier.DEVICE, "tiers.device_bytes")):
             least, why = need[tier]
             if budgets[tier] < least:
@@ -220,8 +240,7 @@ class Placement:
                                   f"{least} bytes ({format_size(least)}) this model and placement need: {why}. "
                                   f"Set {key} to at least {format_size(least)}, or place less on that tier")
 
-    def resident_room(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
-                      host_bytes: int) -> int:
+    def resident_room(self, host_bytes: int) -> int:
         """Host bytes that NVMe-homed chunks may keep for good (``offload.host_resident_bytes``).
 
         ``auto``: what the host budget holds beyond a working reserve for the step's traffic: the
@@ -232,7 +251,7 @@ class Placement:
         """
         if Tier.NVME not in (self.params, self.optimizer):
             return 0
-        homed, worst, _, _, chunk_job = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
+        homed, worst, _, _, chunk_job = self.host_working_set()
         need = homed + worst   # min_budgets' host minimum
         if self.host_resident != "auto":
             if self.host_resident and host_bytes - self.host_resident < need:
@@ -245,8 +264,7 @@ class Placement:
         reserve = max(worst + (RESIDENT_RESERVE_JOBS - 1) * chunk_job, host_bytes // 2)
         return max(0, host_bytes - homed - reserve)
 
-    def host_resident_plan(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
-                           room: int) -> dict:
+    def host_resident_plan(self, room: int) -> dict:
         """``{unit_index: frozenset((TensorClass, chunk))}``: the NVMe-homed chunks homed in host memory
         instead, filling at most ``room`` bytes.
 
@@ -260,12 +278,12 @@ class Placement:
         behind the rest of the backward, the least for the units the backward reaches last).
         Gradients are left out: with ``defer_grad_writes`` they reach the disk only when spilled.
         """
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel()
+        sizes = self.stored_itemsizes()
         passes = [(TensorClass.PARAM,)] if self.params is Tier.NVME else []
         if self.optimizer is Tier.NVME:
             passes.append(tuple(c for c in OPTIMIZER_CLASSES if c in sizes))
-        ordered = sorted(units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
+        ordered = sorted(self.units, key=lambda u: not u.is_root)   # stable: the rest keep forward order
         candidates = [(u.index, c, classes, sum(sizes.get(cls, 0) * self.copies(cls) for cls in classes) * (hi - lo))
                       for classes in passes for u in ordered
                       for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk))]
@@ -277,8 +295,7 @@ class Placement:
             plan.setdefault(index, set()).update((cls, c) for cls in classes)
         return {i: frozenset(s) for i, s in plan.items()}
 
-    def streams_optimizer(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
-                          plan: dict, host_bytes: int) -> bool:
+    def streams_optimizer(self, plan: dict, host_bytes: int) -> bool:
         """Whether NVMe-homed optimizer states are streamed: each chunk's host copy freed once its
         update is written home, instead of kept as a clean cached copy.
 
@@ -291,10 +308,10 @@ class Placement:
         """
         if self.optimizer is not Tier.NVME:
             return False
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel()
+        sizes = self.stored_itemsizes()
         held = streamed = 0
-        for u in units:
+        for u in self.units:
             kept = plan.get(u.index, frozenset())
             for c, (lo, hi) in enumerate(chunk_bounds(u.shard_numel, chunk)):
                 for cls, itemsize in sizes.items():
@@ -304,12 +321,12 @@ class Placement:
                         streamed += itemsize * (hi - lo)
         return streamed > host_bytes - held
 
-    def resident_bytes(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int, plan: dict) -> int:
+    def resident_bytes(self, plan: dict) -> int:
         """Host bytes the chunks of ``plan`` (:meth:`host_resident_plan`) hold for good, spares included."""
-        chunk = self.chunk_numel(stage, param_itemsize, reduce_itemsize)
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        chunk = self.chunk_numel()
+        sizes = self.stored_itemsizes()
         total = 0
-        for u in units:
+        for u in self.units:
             kept = plan.get(u.index, frozenset())
             if kept:
                 bounds = chunk_bounds(u.shard_numel, chunk)
@@ -317,8 +334,7 @@ class Placement:
                              for cls, c in kept)
         return total
 
-    def writes_kept_grads(self, units: list, stage: int, param_itemsize: int, reduce_itemsize: int,
-                          plan: dict, host_bytes: int) -> bool:
+    def writes_kept_grads(self, plan: dict, host_bytes: int) -> bool:
         """With spares (``update_at`` speculative) and NVMe-homed gradients deferred: whether a gradient a
         speculative update keeps for a possible redo is written home and its host copy freed as soon as
         that update is done, instead of held in host memory until ``step()`` decides.
@@ -334,16 +350,13 @@ class Placement:
         re-read parameters a step and writing them would cost 0.5 GB."""
         if not (self.spares and self.defer_grad_writes and self.grads is Tier.NVME):
             return False
-        sizes = self.stored_itemsizes(stage, param_itemsize, reduce_itemsize)
+        sizes = self.stored_itemsizes()
         if TensorClass.GRAD not in sizes:
             return False
-        homed, _, _, _, chunk_job = self._host_working_set(units, stage, param_itemsize, reduce_itemsize)
-        held = homed + self.resident_bytes(units, stage, param_itemsize, reduce_itemsize, plan)
-        kept = sum(int(sizes[TensorClass.GRAD] * u.shard_numel) for u in units)
+        homed, _, _, _, chunk_job = self.host_working_set()
+        held = homed + self.resident_bytes(plan)
+        kept = sum(int(sizes[TensorClass.GRAD] * u.shard_numel) for u in self.units)
         return kept > host_bytes - held - chunk_job
-
-    def describe(self) -> dict:
-        return {"params": _name(self.params), "grads": _name(self.grads), "optimizer": _name(self.optimizer)}
 
 
 def _name(t: Tier | None) -> str:

@@ -11,7 +11,7 @@ spare tensor for a class kept in memory: one :class:`~infinity.zero.spares.Spare
 current ones without changing them. Gradients are kept until the step ends: in
 host memory, or, where the host budget cannot hold them all beside what the next
 forward reads, written home as each update is done and read back only by a redo
-(:meth:`~infinity.zero.placement.Placement.writes_kept_grads`).
+(:meth:`~infinity.zero.placement.UnitPlacement.writes_kept_grads`).
 ``optimizer.step()`` then compares the step's final multiplier (after
 ``clip_grad_norm_`` and fp16's unscale) with the one the speculation used:
 

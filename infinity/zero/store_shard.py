@@ -17,7 +17,7 @@ the hot path uses :meth:`key` and the store's own async methods instead.
 A stored class may alias another (fp32 training with params and optimizer in
 the same tier: MASTER is the PARAM key), so one copy serves both.
 
-A shard larger than one chunk (``Placement.chunk_numel``: ``offload.chunk_bytes``
+A shard larger than one chunk (``UnitPlacement.chunk_numel``: ``offload.chunk_bytes``
 of stored classes together) is stored as one key per chunk and class,
 ``u{unit}.{class}.{chunk}``, so an optimizer job brings one chunk, not the unit:
 the optimizer's host working set is bounded whatever the unit's size. Whole-shard
@@ -41,8 +41,9 @@ import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
 from infinity.store import BudgetError, StoreError, TensorStore, Tier
-from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds, fold_owner
-from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, chunk_bounds, store_key
+from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds
+from infinity.zero.pins import PinOwner
+from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, UnitPlacement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
 __all__ = ["StoreUnitShard", "LentCopies", "store_shards"]
@@ -96,7 +97,7 @@ class StoreUnitShard(UnitShard):
         self._pending_fold = None   # the last fold_grad's pending write (its copies may be in flight)
         self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
-        # a speculative update's kept gradient is written home at once (Placement.writes_kept_grads)
+        # a speculative update's kept gradient is written home at once (UnitPlacement.writes_kept_grads)
         self.write_kept_grads = write_kept_grads
         # folded gradients wait unwritten for this step's update (set per step: set_step_speculates)
         self.defers_grad_writes = placement.defer_grad_writes
@@ -126,7 +127,8 @@ class StoreUnitShard(UnitShard):
         return tuple(store_key(self.unit_index, cls, c) for c in range(len(self.bounds)))
 
     def _home(self, cls: TensorClass, chunk: int) -> Tier:
-        """The chunk's home: the class's, or host memory for a chunk kept resident (Placement.host_resident_plan)."""
+        """The chunk's home: the class's, or host memory for a chunk kept resident
+        (UnitPlacement.host_resident_plan)."""
         return Tier.HOST if (cls, chunk) in self.resident else self.placement.home(cls)
 
     def _register(self, cls: TensorClass, make, dtype=None) -> None:
@@ -271,7 +273,7 @@ class StoreUnitShard(UnitShard):
         if not self.chunked:
             # the pin's owner is this gather, not a thread: the unpin may come from another one (on CUDA
             # autograd runs backward hooks on its device thread)
-            owner = ("gather", self.unit_index)
+            owner = PinOwner.gather(self.unit_index)
             # room the gradient folds in flight hold (their pinned sums, their staging) is freed by finishing
             # them, which only a caller does: refused room, the gather finishes the oldest and tries again
             src = self.store.wait(self.staging.with_room(lambda: self.store.bring(keys[0], tier, pin=True,
@@ -357,9 +359,9 @@ class StoreUnitShard(UnitShard):
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
-        owner = fold_owner(self.unit_index, chunk)
+        owner = PinOwner.fold(self.unit_index, chunk)
         # room (which may wait for an overlapped update's room) around with_room: no fold's pin is held
-        # while it waits, as that update may be waiting for those pins (is_fold_owner)
+        # while it waits, as that update may be waiting for those pins (pins.held_by_fold)
         brought = room(lambda: self.staging.with_room(lambda: self.store.bring(key, Tier.HOST, pin=True,
                                                                                 owner=owner)))
 
@@ -457,7 +459,7 @@ class StoreUnitShard(UnitShard):
         self.lent.write_back()
 
     def resident_bytes(self) -> int:
-        """Bytes of this shard's chunks homed in host memory instead of on NVMe (Placement.host_resident_plan)."""
+        """Bytes of this shard's chunks homed in host memory instead of on NVMe (UnitPlacement.host_resident_plan)."""
         return sum(self.store.nbytes(self._keys[cls][c]) for cls, c in self.resident if cls in self._keys)
 
     def write_back_dirty(self) -> list:
@@ -477,20 +479,19 @@ class StoreUnitShard(UnitShard):
         super().release()
 
 
-def store_shards(store: TensorStore, placement: Placement, stage: int, param_itemsize: int, reduce_itemsize: int,
-                 units: list, budgets: dict):
+def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict):
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
-    the resident chunks :meth:`Placement.host_resident_plan` picks within the host budget (``budgets``:
-    bytes per tier), streaming the optimizer states when :meth:`Placement.streams_optimizer` says so and
-    writing a speculation's kept gradients home when :meth:`Placement.writes_kept_grads` does;
+    the resident chunks :meth:`UnitPlacement.host_resident_plan` picks within the host budget (``budgets``:
+    bytes per tier), streaming the optimizer states when :meth:`UnitPlacement.streams_optimizer` says so and
+    writing a speculation's kept gradients home when :meth:`UnitPlacement.writes_kept_grads` does;
     every shard made by one factory shares one :class:`LentCopies` and one
     :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's)."""
     lent, staging = LentCopies(store), FoldStaging(store)
-    chunk = placement.chunk_numel(stage, param_itemsize, reduce_itemsize)
-    room = placement.resident_room(units, stage, param_itemsize, reduce_itemsize, budgets[Tier.HOST])
-    plan = placement.host_resident_plan(units, stage, param_itemsize, reduce_itemsize, room)
-    stream = placement.streams_optimizer(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
-    write_kept = placement.writes_kept_grads(units, stage, param_itemsize, reduce_itemsize, plan, budgets[Tier.HOST])
+    host = budgets[Tier.HOST]
+    chunk = placement.chunk_numel()
+    plan = placement.host_resident_plan(placement.resident_room(host))
+    stream = placement.streams_optimizer(plan, host)
+    write_kept = placement.writes_kept_grads(plan, host)
     return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
                                        plan.get(unit.index, frozenset()), stream, staging, write_kept)
 

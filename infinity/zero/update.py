@@ -48,7 +48,7 @@ import os
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.pipeline import AdamPipeline, ShardJob
-from infinity.zero.grad_staging import is_fold_owner
+from infinity.zero.pins import held_by_fold
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.units import TensorClass
 
@@ -82,8 +82,8 @@ class UpdateSchedule:
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
         # beside an overlapped update the folds pin brought gradient sums briefly and never wait for the
-        # update while they do: its swap-in may wait for them (grad_staging.is_fold_owner)
-        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, yields_to=is_fold_owner)
+        # update while they do: its swap-in may wait for them (pins.held_by_fold)
+        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, yields_to=held_by_fold)
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
         self.blocked_moments = moment_format(cfg.moments).blocked   # each job's moments are int8 rows of blocks
         self.partial_update = False   # units were updated by a step that did not complete (backward raised)

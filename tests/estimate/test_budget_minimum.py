@@ -47,8 +47,7 @@ def _minimum(path, stage, dtype, offload) -> dict:
     model, _ = infinity.initialize(_model(), _config(path, "1GiB", "1GiB", stage, dtype, offload))
     engine = infinity.engine_of(model)
     try:
-        need = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
-                                            engine.reduce_dtype.itemsize)
+        need = engine.placement.min_budgets()
     finally:
         engine.close()
     return {tier: max(least, 4096) for tier, (least, _) in need.items()}
@@ -88,8 +87,7 @@ def test_the_estimate_names_the_minimum_initialize_enforces(tmp_path, stage, dty
     model, _ = infinity.initialize(_model(), conf)
     engine = infinity.engine_of(model)
     try:
-        enforced = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
-                                                engine.reduce_dtype.itemsize)
+        enforced = engine.placement.min_budgets()
     finally:
         engine.close()
     assert estimated == enforced   # bytes and the reason, per tier
@@ -121,8 +119,7 @@ def test_a_speculative_update_trains_at_its_minimum_and_is_refused_below_it(tmp_
     model, _ = infinity.initialize(_model(), probe)
     engine = infinity.engine_of(model)
     try:
-        least, why = engine.placement.min_budgets(engine.units, stage, engine.param_dtype.itemsize,
-                                                  engine.reduce_dtype.itemsize)[Tier.HOST]
+        least, why = engine.placement.min_budgets()[Tier.HOST]
     finally:
         engine.close()
     if offload["optimizer"] == "host":   # the master and both moments, fp32, and their spares

@@ -106,7 +106,7 @@ def train_case(spec: dict) -> dict:
         store = engine.store.stats()
         chunks = max(len(u.shard.chunks()) for u in engine.units)
         pl = engine.placement
-        itemsizes = pl.stored_itemsizes(engine.stage, engine.param_dtype.itemsize, engine.reduce_dtype.itemsize)
+        itemsizes = pl.stored_itemsizes()
         accounting = {"shard_numel": sum(u.shard_numel for u in engine.units),   # what the placement says it stores
                       "itemsizes": {c.value: n for c, n in itemsizes.items()},
                       "homes": {c.value: pl.home(c).value for c in itemsizes},

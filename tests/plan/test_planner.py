@@ -105,12 +105,13 @@ def test_predicted_bytes_per_tier_pair_equal_what_the_engine_moves(tmp_path):
     from infinity.plan.planner import model_layout
     from infinity.store import Tier
     from infinity.zero.placement import Placement
+    from infinity.zero.stage import StagePolicy
     req = _request(tmp_path)
     layout = model_layout(req, 3, "fp32", 0)
     # gradients homed in host memory: NVMe-homed ones whose dirty copies survive into the step are read
     # less than the model's no-hit assumption says (cost.py's module doc)
     cfg = _nvme_config(tmp_path).replace(offload={"grads": "host"})
-    least = Placement.from_config(cfg).min_budgets(layout.units, 3, 4, 4)[Tier.HOST][0]
+    least = Placement.from_config(cfg).of(layout.units, StagePolicy.of(3), 4, 4).min_budgets()[Tier.HOST][0]
     cfg = cfg.replace(tiers={"host_bytes": least})
     predicted = tier_traffic(layout, cfg, cfg.tiers.host_bytes)["moved"]
     torch.manual_seed(0)
@@ -392,24 +393,25 @@ def test_the_planner_tries_the_exact_split_master_for_bf16_and_never_lossy_momen
 def test_a_speculative_update_is_priced_as_the_step_that_commits(tmp_path):
     """update_at speculative with clipping: predicted as the unclipped update during backward (what a
     step that commits does), with a note on the redo; its kept gradients add one write of every gradient in
-    backward exactly where Placement.writes_kept_grads sends them home, and nothing where the host holds them."""
+    backward exactly where UnitPlacement.writes_kept_grads sends them home, and nothing where the host holds them."""
     from infinity.plan.cost import tier_traffic
     from infinity.plan.planner import model_layout
     from infinity.store import Tier
     from infinity.zero.placement import Placement
+    from infinity.zero.stage import StagePolicy
     from infinity.zero.units import TensorClass
     unclipped = _bf16_nvme(tmp_path, update_at="auto")
     spec = _bf16_nvme(tmp_path, update_at="speculative").replace(
         schedule={"clip_grad_norm": 1.0})
     layout = model_layout(_request(tmp_path, param_dtype="bf16"), 3, "bf16", 0)
-    placement = Placement.from_config(spec)
-    assert TensorClass.GRAD in placement.stored_itemsizes(3, 2, 2)   # bf16 gradients on NVMe
+    placement = Placement.from_config(spec).of(layout.units, StagePolicy.of(3), 2, 2)
+    assert TensorClass.GRAD in placement.stored_itemsizes()   # bf16 gradients on NVMe
     grads = sum(u.shard_numel for u in layout.units) * 2
-    least = placement.min_budgets(layout.units, 3, 2, 2)[Tier.HOST][0]
+    least = placement.min_budgets()[Tier.HOST][0]
     for host in (least, 4 * spec.tiers.host_bytes):
         s_cfg, u_cfg = spec.replace(tiers={"host_bytes": host}), unclipped.replace(tiers={"host_bytes": host})
         a, b = tier_traffic(layout, s_cfg, host), tier_traffic(layout, u_cfg, host)
-        written = placement.writes_kept_grads(layout.units, 3, 2, 2, a["plan"], host)
+        written = placement.writes_kept_grads(a["plan"], host)
         assert written == (host == least), host   # the host minimum cannot hold them all
         # (the step's reads and writes differ where spares halve what the resident chunks hold)
         assert a["read"]["backward"] == b["read"]["backward"]
@@ -533,7 +535,6 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
     # gradients written home in backward stay cached until the step reads them (stage 2), up to the budget
     from infinity.plan import cost
     from infinity.store import Tier
-    from infinity.zero.placement import Placement
     stage2 = base.replace(zero={"stage": 2}, offload={"params": "none"}, tiers={"host_bytes": "64MiB"})
     p2 = _predict(tmp_path, stage2, rates())
     layout2 = model_layout(_request(tmp_path, param_dtype="bf16"), 2, "bf16", 0)
@@ -543,7 +544,7 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
 
     def host_tier(backward_writes, budget):
         t = dict(traffic, write=dict(traffic["write"], backward=backward_writes))
-        return cost._expected_rss(p2.rss_bound, t, Placement.from_config(stage2), layout2.units, 2, 2, 2,
+        return cost._expected_rss(p2.rss_bound, t, cost.unit_placement(layout2, stage2), layout2.units, 2, 2, 2,
                                   {Tier.HOST: budget, Tier.DEVICE: 0}, True, layout2.largest_param_numel,
                                   0).host_tier_bytes
     assert host_tier(written, 64 * 2**20) - host_tier(0, 64 * 2**20) == written

@@ -103,7 +103,7 @@ def test_chunks_bound_the_tier_minimums_and_it_trains_there(tmp_path):
         engine = infinity.engine_of(model)
         try:
             root = max(engine.units, key=lambda u: u.shard_numel)
-            need = engine.placement.min_budgets(engine.units, 3, 4, 4)
+            need = engine.placement.min_budgets()
             return need[Tier.HOST][0], root.shard_numel, need[Tier.DEVICE][0]
         finally:
             engine.close()

@@ -23,7 +23,7 @@ from infinity.optim.pipeline import AdamPipeline
 from infinity.store import BudgetError, TensorStore, Tier, tensor_store
 from infinity.store.budget import plan_spill
 from infinity.store.residency import Residency
-from infinity.zero.placement import Placement
+from infinity.zero.placement import UnitPlacement
 from infinity.zero.units import TensorClass
 
 GPT_SHAPE = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=2048, block_size=32)
@@ -293,7 +293,7 @@ def test_streamed_states_keep_no_host_copy_and_read_no_more(tmp_path, monkeypatc
     losses, params, reads, n_states, cached, pool = _stream_run(tmp_path / "stream", "2MiB")
     assert n_states > 0 and cached == [] and pool["cached_bytes"] == 0
     with monkeypatch.context() as m:
-        m.setattr(Placement, "streams_optimizer", lambda *a, **k: False)
+        m.setattr(UnitPlacement, "streams_optimizer", lambda *a, **k: False)
         ref_losses, ref_params, ref_reads, _, ref_cached, ref_pool = _stream_run(tmp_path / "kept", "2MiB")
     assert ref_cached and ref_pool["cached_bytes"] + ref_pool["in_use_bytes"] > pool["in_use_bytes"]
     assert losses == ref_losses and all(torch.equal(params[n], p) for n, p in ref_params.items())

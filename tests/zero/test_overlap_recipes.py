@@ -185,7 +185,7 @@ SPECULATIVE = [
     dict(name="s3-bf16-remainder-int8-clip", placement="s3-nvme", dtype="bf16", master="remainder", moments="int8",
          clip=CLIP, host_bytes=SPEC_HOST, always_speculate=True),
     # gradients on NVMe, more of them than the host holds: written home as each update is done, read back
-    # by the redo (Placement.writes_kept_grads)
+    # by the redo (UnitPlacement.writes_kept_grads)
     # (a rank's shards halve at world size 2, so its host budget does too)
     dict(name="s3-all-nvme-clip-always", placement="s3-all-nvme", clip=CLIP,
          host_bytes={1: 224 * 1024, 2: 144 * 1024}, always_speculate=True, writes_kept_grads=True),

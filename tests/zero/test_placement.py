@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from infinity.config import Config, ConfigError
 from infinity.store import Tier
 from infinity.zero.placement import Placement, store_key
+from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
 TIERS = ("none", "host", "nvme")
@@ -59,13 +60,14 @@ def test_stored_formats_set_the_itemsizes_chunks_and_minimum_budgets():
     units = [SimpleNamespace(index=0, name="u0", shard_numel=4096 * 100, is_root=False)]
     for (master, moments), (master_b, moment_b) in want.items():
         pl = placement(master, moments)
-        sizes = pl.stored_itemsizes(3, 2, 4)
+        sized = pl.of(units, StagePolicy.of(3), 2, 4)
+        sizes = sized.stored_itemsizes()
         assert sizes == {TensorClass.PARAM: 2, TensorClass.MASTER: master_b, TensorClass.EXP_AVG: moment_b,
                          TensorClass.EXP_AVG_SQ: moment_b, TensorClass.GRAD: 4}, (master, moments)
         per_element = 2 + master_b + 2 * moment_b + 4
-        chunk = pl.chunk_numel(3, 2, 4)
+        chunk = sized.chunk_numel()
         assert chunk == int(4096 * 64 // per_element) // 4096 * 4096
-        host, _ = pl.min_budgets(units, 3, 2, 4)[Tier.HOST]
+        host, _ = sized.min_budgets()[Tier.HOST]
         # host-homed gradients + one job of the NVMe-homed classes, one chunk each
         assert host == 4 * 4096 * 100 + (per_element - 4) * chunk and isinstance(host, int)
 
@@ -85,17 +87,17 @@ def test_a_speculations_kept_gradients_are_written_home_only_where_the_host_cann
             "tiers": {"nvme_path": "/tmp/unused"}}))
 
     units = [SimpleNamespace(index=i, name=f"u{i}", shard_numel=4096 * 40, is_root=i == 0) for i in range(3)]
-    pl = placement()
+    pl = placement().of(units, StagePolicy.of(3), 2, 4)
     kept = 3 * 4096 * 40 * 4                                # fp32 gradients of the three shards
-    chunk_job = pl._host_working_set(units, 3, 2, 4)[4]    # one job's chunk of every stored class
+    chunk_job = pl.host_working_set()[4]    # one job's chunk of every stored class
     edge = kept + chunk_job                                 # the host budget at which they just fit
-    assert pl.writes_kept_grads(units, 3, 2, 4, {}, edge - 1)
-    assert not pl.writes_kept_grads(units, 3, 2, 4, {}, edge)
+    assert pl.writes_kept_grads({}, edge - 1)
+    assert not pl.writes_kept_grads({}, edge)
     # a resident chunk takes host room: the same budget no longer holds them (two copies with spares)
     plan = {0: frozenset({(TensorClass.PARAM, 0)})}
-    resident = pl.resident_bytes(units, 3, 2, 4, plan)
-    assert resident == 2 * 2 * min(4096 * 40, pl.chunk_numel(3, 2, 4))
-    assert pl.writes_kept_grads(units, 3, 2, 4, plan, edge)
-    assert not pl.writes_kept_grads(units, 3, 2, 4, plan, edge + resident)
+    resident = pl.resident_bytes(plan)
+    assert resident == 2 * 2 * min(4096 * 40, pl.chunk_numel())
+    assert pl.writes_kept_grads(plan, edge)
+    assert not pl.writes_kept_grads(plan, edge + resident)
     for other in (placement(mode="backward"), placement(grads="host"), placement(mode="next_forward")):
-        assert not other.writes_kept_grads(units, 3, 2, 4, {}, 1), other
+        assert not other.of(units, StagePolicy.of(3), 2, 4).writes_kept_grads({}, 1), other

@@ -39,7 +39,8 @@ def _stored_units(model, store, spares: bool) -> list:
     units = make_units(model)
     placement = Placement(params=None, grads=Tier.HOST, optimizer=Tier.HOST, chunk_bytes=1 << 20,
                           defer_grad_writes=True, spares=spares)
-    new_shard = store_shards(store, placement, 2, 4, 4, units, {Tier.HOST: HOST, Tier.DEVICE: 1 << 20})
+    new_shard = store_shards(store, placement.of(units, StagePolicy.of(2), 4, 4),
+                             {Tier.HOST: HOST, Tier.DEVICE: 1 << 20})
     for unit in units:
         shard = new_shard(unit)
         shard.put(TensorClass.PARAM, unit.full_param)
