@@ -18,11 +18,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["SavedBytes", "FlashOnMeta", "count_saved", "activation_rows", "OFFLOAD_MODES"]
+__all__ = ["SavedBytes", "FlashOnMeta", "count_saved", "activation_rows", "OFFLOAD_MODES", "BACKWARD_FRACTION",
+           "BACKWARD_WORKING_BLOCKS"]
 
-# backward's working set beyond the saves it starts from, as a fraction of the block saves live then
-# (:meth:`SavedBytes.backward_peak`); with the RSS bound's slack fraction (0.25) on top it makes 0.875
-BACKWARD_FRACTION = 0.5
+# backward's working set beyond the saves it starts from (:meth:`SavedBytes.backward_peak`): one block's
+# worth of saves times BACKWARD_WORKING_BLOCKS for the block whose backward runs, and BACKWARD_FRACTION of
+# the block saves live when backward starts; the RSS bound's slack fraction (0.25) comes on top of both
+BACKWARD_WORKING_BLOCKS = 1.3
+BACKWARD_FRACTION = 0.4
 # (label, zero.activation_checkpointing, zero.activation_offload): the four a run chooses among
 OFFLOAD_MODES = (("keep", False, "none"), ("recompute", True, "none"), ("recompute + host", True, "host"),
                  ("recompute + nvme", True, "nvme"))
@@ -64,16 +67,23 @@ class SavedBytes:
 
     def backward_peak(self, checkpointed: int, offload: str = "none") -> int:
         """Held in device memory at backward's peak: :meth:`on_device`, plus a recomputed block's saves
-        rebuilt for its backward, plus the backward's own working set: the gradients and temporaries of
-        the block whose backward runs, and freed blocks the allocator cannot hand to them, taken as
-        :data:`BACKWARD_FRACTION` of the block saves live when backward starts (every kept block's, or
-        the one rebuilt). Measured on a 12 x 256 Llama at 2048-8192 tokens in bf16 on a CPU (glibc's own
-        mmap threshold): the peak RSS beyond the other terms was 0.79-0.93 x the kept saves
-        (tools/bench_long_context.py)."""
+        rebuilt for its backward, plus the backward's own working set. That set has two parts: the block
+        whose backward runs (the gradients of its saves as they flow back, its temporaries), taken as
+        :data:`BACKWARD_WORKING_BLOCKS` of one block's saves whatever is kept; and the freed blocks the
+        allocator cannot hand to it, taken as :data:`BACKWARD_FRACTION` of the block saves live when
+        backward starts (every kept block's, or the one rebuilt).
+
+        Both were fitted on ``tools/bench_long_context.py`` (a 12 x 256 Llama at 2048, 4096 and 8192 tokens,
+        bf16, on a 2-core EPYC with avx512_bf16, glibc's own mmap threshold): kept activations fix the second
+        (peak RSS beyond the other terms grows with the 12 kept blocks' saves at about 0.5 x their bytes),
+        the recomputing modes the first (it grows with one block's saves at about 1.5 x their bytes, slack
+        included). A single run's peak there varies by up to 20% between rounds at 8192 tokens (915-1122 MiB
+        recomputing), as glibc's heaps fragment differently."""
         k = self.recomputed(checkpointed)
         rebuilt = self.block if k else 0
         live = (self.blocks - k) * self.block + rebuilt
-        return self.on_device(checkpointed, offload) + rebuilt + int(BACKWARD_FRACTION * live)
+        working = int(BACKWARD_WORKING_BLOCKS * self.block) if self.blocks else 0
+        return self.on_device(checkpointed, offload) + rebuilt + working + int(BACKWARD_FRACTION * live)
 
     def in_host(self, checkpointed: int, offload: str, prefetch_bytes: int = 0) -> int:
         """Held in the host tier at once: with ``offload`` host every block's saves; nvme those backward
