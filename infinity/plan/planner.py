@@ -305,7 +305,7 @@ def make_plan(request: PlanRequest, rates: Rates, compute: ComputeRates, device:
                               device_is_host, ram))
     fitting = sorted((c for c in choices if c.fits), key=lambda c: (c.step_s, c.prediction.rss.total_bytes))
     if not fitting:
-        raise InfeasiblePlan(_minimum_message(choices, host_grant, device_grant, request))
+        raise InfeasiblePlan(_minimum_message(choices, host_grant, device_grant, ram, request))
     ties = [c for c in fitting if c.step_s <= fitting[0].step_s * (1 + TIE)]
     chosen = min(ties, key=lambda c: (c.disk_bytes, c.step_s))
     alts = []
@@ -386,11 +386,20 @@ def predict_device_bytes(layout: Layout, placement, stage, p_size, r_size, max_l
     return bound.gathered_params_bytes + bound.grad_buffers_bytes + bound.resident_bytes + bound.activation_bytes
 
 
-def _minimum_message(choices: list, host_grant: int, device_grant: int, request: PlanRequest) -> str:
-    """The least memory any candidate needs, for the refusal."""
+def _minimum_message(choices: list, host_grant: int, device_grant: int, ram: int, request: PlanRequest) -> str:
+    """The least memory any candidate needs, for the refusal: the tier it lacks, or (every tier's needs
+    met) the RAM its predicted peak needs."""
     valid = [c for c in choices if c.needs]
     if not valid:
         return f"no valid config for {request.model_name}: every candidate was refused by the config's rules"
+    within = [c for c in valid if c.prediction is not None and c.needs["device_bytes"] <= device_grant
+              and c.needs["host_bytes"] <= host_grant]
+    if within:   # refused only for the RAM their peak needs (a CPU device: both tiers are that RAM)
+        least = min(within, key=lambda c: c.prediction.rss.total_bytes)
+        peak = least.prediction.rss.total_bytes
+        return (f"{request.model_name}: no config's predicted peak RSS fits the {format_size(ram)} of RAM "
+                f"available: the least is {format_size(peak)} ({peak} bytes, {least.label()}); grant at least "
+                f"that, or train on shorter sequences or smaller batches")
     fits_device = [c for c in valid if c.needs["device_bytes"] <= device_grant]
     if fits_device:
         least = min(fits_device, key=lambda c: c.needs["host_bytes"])

@@ -51,6 +51,19 @@ def _named_minimum(error) -> int:
     return int(str(error.value).split("(")[1].split(" bytes")[0])   # "... 1.2MiB (1234 bytes, ...)"
 
 
+def test_a_request_whose_tiers_fit_but_whose_peak_exceeds_the_ram_names_the_least_peak(tmp_path):
+    """Tier grants every candidate meets, on a machine whose RAM (1 MiB) holds none of their predicted peaks:
+    the refusal names the RAM and the least predicted peak (not a tier minimum every candidate already
+    meets), and that much RAM plans."""
+    from dataclasses import replace
+    with pytest.raises(InfeasiblePlan, match=r"^tiny: no config's predicted peak RSS fits the 1\.0MiB of RAM "
+                                             r"available: the least is .* bytes, stage .*; grant at least") as e:
+        make_plan(_request(tmp_path, device_bytes=2**30), replace(rates(), ram_available_bytes=2**20), compute(2))
+    need = _named_minimum(e)
+    plan = make_plan(_request(tmp_path, device_bytes=2**30), replace(rates(), ram_available_bytes=need), compute(2))
+    assert plan.chosen.fits and plan.chosen.prediction.rss.total_bytes <= need
+
+
 def test_host_minimum_is_named_when_the_device_grant_suffices(tmp_path):
     with pytest.raises(InfeasiblePlan) as e:
         make_plan(_request(tmp_path, host_bytes=4096, device_bytes=8192), rates(), compute(2))
