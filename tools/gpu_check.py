@@ -259,7 +259,8 @@ def copier_race(device: torch.device, rounds: int = 32, numel: int = 1 << 20) ->
     from infinity.store.pinned_host import CudaHostRegistrar, PinnedHostMemory
 
     mem = PinnedHostMemory(CudaHostRegistrar(device))
-    host = mem.allocate(numel * 4)[:numel * 4].view(torch.float32)
+    buf = mem.allocate(numel * 4)
+    host = buf[:numel * 4].view(torch.float32)
     copier = DeviceCopier(device)
     stale_d2h = stale_h2d = 0
     try:
@@ -276,6 +277,10 @@ def copier_race(device: torch.device, rounds: int = 32, numel: int = 1 << 20) ->
             stale_h2d += int(not torch.equal(dev.cpu(), torch.full((numel,), float(-k - 1))))
     finally:
         copier.close()
+        # unlocked before its pages are unmapped: a later mapping at the same address would otherwise be
+        # refused as already registered (cudaError 712)
+        del host
+        mem.free(buf)
     return {"rounds": rounds, "stale_device_to_host": stale_d2h, "stale_host_to_device": stale_h2d,
             "ok": stale_d2h == 0 and stale_h2d == 0}
 

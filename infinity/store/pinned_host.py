@@ -31,6 +31,7 @@ __all__ = ["HostRegistrar", "CudaHostRegistrar", "PinnedHostMemory", "PAGE_BYTES
 PAGE_BYTES = max(mmap.PAGESIZE, 4096)
 
 _CUDA_HOST_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: page-locked for every CUDA context
+_CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 
 def round_to_pages(nbytes: int) -> int:
@@ -61,6 +62,9 @@ class CudaHostRegistrar:
     def register(self, ptr: int, nbytes: int) -> None:   # CUDA-only
         with torch.cuda.device(self.device):
             code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
+        if code == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: part "
+                               "of the range is registered already (memory unmapped without cudaHostUnregister)")
         if code != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: "
                                "the driver could not page-lock it (host RAM exhausted by other pinned memory?); "

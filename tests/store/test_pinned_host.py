@@ -106,6 +106,22 @@ def test_a_registration_the_driver_refuses_fails_the_acquire_and_leaves_the_budg
     pool.release(first)
 
 
+@pytest.mark.parametrize("code,says", ((712, "part of the range is registered already"),
+                                       (2, "could not page-lock it")))
+def test_the_cuda_registrar_names_why_the_driver_refused(monkeypatch, code, says):
+    """cudaHostRegister's refusals read as their cause: 712 (part of the range registered already: memory
+    unmapped without cudaHostUnregister, a leak) is not the full-RAM case the other codes are."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from infinity.store.pinned_host import CudaHostRegistrar
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: code))
+    with pytest.raises(RuntimeError, match=rf"^cudaHostRegister of 4096 bytes at 0x1000 failed with cudaError "
+                                           rf"{code}: .*{says}"):
+        CudaHostRegistrar(torch.device("cuda", 0)).register(0x1000, 4096)
+
+
 def test_store_host_tier_pins_its_reserved_bytes_and_releases_them(tmp_path):
     """On CPU with a registrar the store's host copies are page-locked: the locked bytes equal the host
     tier's reserved bytes while held, drop when the step's window ends and are zero after close."""
