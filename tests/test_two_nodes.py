@@ -23,7 +23,7 @@ from two_nodes import TwoNodes, unavailable_reason
 from zero_cases import FP32_TOL, compare, reference_run
 
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 HELPERS = Path(__file__).resolve().parent / "helpers"
 BASE = dict(model="gpt", stage=3, steps=3, batch=8, lr=1e-2)

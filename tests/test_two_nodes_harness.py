@@ -20,6 +20,7 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+@pytest.mark.slow
 def test_a_run_past_its_timeout_is_killed_and_everything_is_removed(tmp_path):
     """A job that outlives its timeout is killed on both nodes (exit codes None, timed_out); leaving the
     harness deletes both namespaces (and with them the link) and the node directories."""

@@ -199,7 +199,9 @@ def _machine_busy_s() -> float:
 
 
 def _reset_peak_rss() -> bool:
-    """VmHWM back to the RSS now (Linux clear_refs 5); False where that is not allowed."""
+    """VmHWM back to the RSS now (Linux clear_refs 5); False where that is not allowed. (Not
+    ``infinity.zero.memory_report.reset_peak_rss``: the DeepSpeed child runs in the peers' venv, without
+    infinity's dependencies.)"""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

@@ -83,6 +83,7 @@ def _assert_states_equal(got: dict, want: dict, ref: dict | None = None) -> None
 
 # ---------------------------------------------------------------- exact resume
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", EXACT)
 def test_exact_resume_in_new_processes(saved, name):
     before, after = saved["before"][name], saved["after"][name]

@@ -131,6 +131,7 @@ def test_qgz_error_does_not_grow_with_ranks(worlds):
             assert 0 < r["err"] <= 1.01 * r["biggest"] / r["qmax"], r
 
 
+@pytest.mark.slow
 def test_convergence_and_exactness_short(worlds):
     base = dict(model="gpt", stage=3, lr=3e-3, dtype="bf16", reduce="fp32", steps=40, batch=8, cycle=4)
     names = ("plain", "qwZ", "hpZ", "qgZ", "all")

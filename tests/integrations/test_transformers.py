@@ -218,6 +218,7 @@ def test_resuming_a_checkpoint_without_shards_is_refused(tmp_path):
         cases._close(trainer)
 
 
+@pytest.mark.slow
 def test_example_script_trains_under_torchrun(tmp_path):
     """``examples/run_clm_infinity.py`` under ``torchrun --nproc_per_node 2`` (the launcher's env, no process
     group made beforehand) with parameters and optimizer on NVMe: it trains every step, writes a sharded

@@ -45,6 +45,7 @@ def _check_volume(spec, got):
     assert last["collectives_world"]["elements"]["all_reduce"] == (1 if spec.get("clip") else 0)
 
 
+@pytest.mark.slow
 def test_tp2_dp2_and_tp4_gpt(worlds, tmp_path):
     """World 4: tp2 x dp2 at stages 0-3 (stage 2 with clipping that bites), tp4 x dp1 at 1 and 3,
     tp2 x dp2 stage 3 with params + optimizer on NVMe, and the same with sequence parallelism."""

@@ -17,6 +17,8 @@ import pytest
 
 from cli_output import error_lines
 
+pytestmark = pytest.mark.slow   # every case runs real ranks and signals them
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--no-progress",
         "--eval-every", "0", "--host-bytes", "1MiB"]   # below the model's 1.8 MiB of state: swap files exist

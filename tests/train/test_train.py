@@ -122,6 +122,7 @@ def test_trace_is_one_step_of_perfetto_events(one_rank):
         assert e["dur"] >= 0 and e["pid"] == 0
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(one_rank, capsys, tmp_path):
     trace = tmp_path / "trace.json"
     _, s, records = _train(capsys, tmp_path, "--nproc", "2", "--trace", str(trace))
@@ -368,6 +369,7 @@ def test_rank_error_exit_1(capsys, monkeypatch):
 
 # ---------------------------------------------------------------- torchrun
 
+@pytest.mark.slow
 def test_torchrun_joins_the_group(tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -72,6 +72,7 @@ def _start(args, metrics: Path, nproc: int) -> subprocess.Popen:
                             start_new_session=True)   # its own process group: SIGKILL reaches spawned ranks too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", (1, 2))
 def test_sigkill_after_a_save_resumes_bitwise(nproc, tmp_path):
     steps = "16"

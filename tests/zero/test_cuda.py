@@ -21,21 +21,27 @@ pytestmark = [pytest.mark.cuda,
 BASE = dict(model="gpt", steps=3, batch=8, lr=1e-2, groups=True)
 
 
+def _steps(model, opt, spec: dict) -> list:
+    """``spec["steps"]`` training steps on the test batches, moved to the GPU; their losses."""
+    losses = []
+    for step in range(spec["steps"]):
+        ids = global_batch(step, spec["batch"]).cuda()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _train(spec: dict) -> dict:
     model = build_model("gpt")
     conf = offload_cases.offload_config(spec, 0) if spec.get("offload") else offload_cases.zero_cases.config_for(spec)
     model, opt = infinity.initialize(model, conf, params=offload_cases.param_groups(model, spec))
     engine = infinity.engine_of(model)
     assert engine.device.type == "cuda"
-    losses = []
     try:
-        for step in range(spec["steps"]):
-            ids = global_batch(step, spec["batch"]).cuda()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+        losses = _steps(model, opt, spec)
         pinned = None
         if engine.store is not None:
             key = next(k for k in engine.store.keys() if k.endswith(".exp_avg"))
@@ -122,14 +128,7 @@ def test_offloaded_activations_are_bitwise_on_cuda(tmp_path, tier):
         model, opt = infinity.initialize(build_model("gpt"), conf)
         engine = infinity.engine_of(model)
         try:
-            losses = []
-            for step in range(spec["steps"]):
-                ids = global_batch(step, spec["batch"]).cuda()
-                loss = model(input_ids=ids, labels=ids).loss
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
+            losses = _steps(model, opt, spec)
             moved = engine.activations.stats["saved_bytes"] if engine.activations is not None else 0
             with engine.gathered():
                 params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

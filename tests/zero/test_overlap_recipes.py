@@ -547,6 +547,7 @@ def test_a_speculative_step_that_fails_keeps_the_last_committed_state(tmp_path, 
         assert torch.equal(got["params"][name], p), f"{fault}/{after}: {name}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["auto", "speculative"])
 def test_sigkill_inside_an_overlapped_update_then_resume_loses_nothing(tmp_path, mode):
     """A process SIGKILLed inside an overlapped update (auto: the update its step() launched, one unit's

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parents[1] / "helpers"
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
