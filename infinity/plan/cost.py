@@ -169,7 +169,7 @@ def tier_traffic(layout: Layout, config: Config, host_bytes: int) -> dict:
     # in reverse, so the device tier (LRU) still holds the last ones forward used and misses the rest
     moved = {}
     again = 0
-    if placement.params is not None and StagePolicy.of(stage).shard_params:
+    if placement.params is not None and placement.policy.shard_params:
         shard_param = sum(u.shard_numel for u in units) * p_size
         root_shard = sum(u.shard_numel for u in units if u.is_root) * p_size
         device_room = config.tiers.device_bytes if isinstance(config.tiers.device_bytes, int) else shard_param
@@ -348,8 +348,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     bound = predict_peak_rss(layout.baseline_bytes, units, placement, stage, p_size, r_size, budgets,
                              device_is_host, max_live_bytes, activations, layout.largest_param_numel,
                              host_cache.cap_of(config.tiers, placement.any_offload))
-    rss = _expected_rss(bound, traffic, placement, units, stage, p_size, r_size, budgets, device_is_host,
-                        layout.largest_param_numel, config.prefetch.bytes,
+    rss = _expected_rss(bound, traffic, placement, budgets, device_is_host, layout.largest_param_numel,
+                        config.prefetch.bytes,
                         compute.saved.backward_peak(checkpointed, act_tier) if device_is_host else 0)
     moved = dict(traffic["moved"])
     if act_moved:
@@ -365,9 +365,8 @@ def predict(layout: Layout, config: Config, compute, rates, world: int, budgets:
     return Prediction(phases=phases, rss=rss, moved_bytes=moved, notes=notes, rss_bound=bound)
 
 
-def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_size, r_size, budgets,
-                  device_is_host: bool, largest_param_numel: int, prefetch_bytes: int,
-                  activations_at_peak: int = 0) -> RssBound:
+def _expected_rss(bound: RssBound, traffic: dict, placement: UnitPlacement, budgets, device_is_host: bool,
+                  largest_param_numel: int, prefetch_bytes: int, activations_at_peak: int = 0) -> RssBound:
     """The bound's terms at the occupancy the engine reaches rather than their worst case: gradient buffers
     with one reduction in flight (the largest parameter's ``.grad`` beside the largest unit's full gradient
     and, with more than one rank, its shard at stages 2-3; its shard at stage 1); stage 3's gathered
@@ -383,6 +382,8 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
     host, stage 2, gradients and states on NVMe) the host tier reached its budget too."""
     from infinity.estimate.peak_rss import SLACK_FIXED_BYTES, SLACK_FRACTION
 
+    units, stage = placement.units, placement.policy.stage
+    p_size, r_size = placement.param_itemsize, placement.reduce_itemsize
     grads = 0
     if device_is_host:
         one_rank = all(u.shard_numel >= u.padded_numel for u in units)
@@ -411,7 +412,7 @@ def _expected_rss(bound: RssBound, traffic: dict, placement, units, stage, p_siz
     cached = (traffic["read"]["forward"] if stage == 3 else 0) + traffic["write"]["backward"]
     host = min(budgets[Tier.HOST], homed + resident + RESIDENT_RESERVE_JOBS * chunk_job + cached)
     device = bound.device_tier_bytes
-    if not (StagePolicy.of(stage).shard_params and placement.params is not None) or not device_is_host:
+    if not (placement.policy.shard_params and placement.params is not None) or not device_is_host:
         device = 0
     return replace(bound, host_tier_bytes=host, device_tier_bytes=device)
 

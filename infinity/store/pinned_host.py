@@ -62,13 +62,12 @@ class CudaHostRegistrar:
     def register(self, ptr: int, nbytes: int) -> None:   # CUDA-only
         with torch.cuda.device(self.device):
             code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _CUDA_HOST_REGISTER_PORTABLE))
-        if code == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: part "
-                               "of the range is registered already (memory unmapped without cudaHostUnregister)")
         if code != 0:
-            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: "
-                               "the driver could not page-lock it (host RAM exhausted by other pinned memory?); "
-                               "lower tiers.host_bytes")
+            why = ("part of the range is registered already (memory unmapped without cudaHostUnregister)"
+                   if code == _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED else
+                   "the driver could not page-lock it (host RAM exhausted by other pinned memory?); lower "
+                   "tiers.host_bytes")
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed with cudaError {code}: {why}")
 
     def unregister(self, ptr: int) -> None:   # CUDA-only
         with torch.cuda.device(self.device):

@@ -87,7 +87,7 @@ class ActivationOffload:
         self._seq = itertools.count()
         self._order: dict[int, weakref.ref] = {}   # seq -> handle, in pack order (live handles only)
         self._dropped: collections.deque = collections.deque()   # keys of handles autograd dropped
-        self._pinned: set = set()   # keys whose host copy autograd holds a view of (CPU device)
+        self._pinned: dict = {}     # key -> its PinOwner: host copies autograd holds a view of (CPU device)
         self._largest_unit_bytes = 0   # the most one unit's forward moved out (unit.offloaded_bytes)
         self._settling: list[weakref.ref] = []   # handles packed, their write not yet seen done
         self._unit = None              # the unit whose forward runs (its runtime object: FlatUnit)
@@ -209,7 +209,7 @@ class ActivationOffload:
                 # is dropped (after the unit's backward), with no copy and no new block for the allocator
                 if handle.key not in self._pinned:
                     store.pin(handle.key, Tier.HOST, owner=owner)
-                    self._pinned.add(handle.key)
+                    self._pinned[handle.key] = owner
                 host = store.get(handle.key, Tier.HOST)
                 out = host.as_strided(handle.shape, handle.stride, host.storage_offset())
             else:
@@ -263,9 +263,9 @@ class ActivationOffload:
         """Forget the keys of handles autograd dropped (the store waits for a write in flight)."""
         while self._dropped:
             key = self._dropped.popleft()
-            if key in self._pinned:
-                self._pinned.discard(key)
-                self.store.unpin(key, Tier.HOST, owner=PinOwner.activation(int(key.rsplit("/", 1)[1])))
+            owner = self._pinned.pop(key, None)
+            if owner is not None:
+                self.store.unpin(key, Tier.HOST, owner=owner)
             if key in self.store:   # a failed write registered nothing
                 self.store.release(key)
 

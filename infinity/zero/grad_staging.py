@@ -141,7 +141,8 @@ class FoldStaging:
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
         ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
         raises BudgetError at once (the caller folds the blocking way): it never waits for room another
-        party holds, as the caller's brought sum may be pinned meanwhile (see :func:`~infinity.zero.pins.held_by_fold`)."""
+        party holds, as the caller's brought sum may be pinned meanwhile (see
+        :func:`~infinity.zero.pins.held_by_fold`)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
         buf = self.with_room(lambda: self.store.host_scratch(nbytes))

@@ -154,7 +154,7 @@ class UnitPlacement(Placement):
     (:meth:`Placement.of`): what it stores of those units, in chunks of what size, and the host and device
     room that needs. The engine, the planner and the estimator ask it with no sizes of their own."""
 
-    units: tuple = field(kw_only=True)
+    units: tuple = field(kw_only=True, repr=False, compare=False)   # the shapes the sizes below apply to
     policy: StagePolicy = field(kw_only=True)
     param_itemsize: int = field(kw_only=True)    # bytes per element of the stored (gathered) parameters
     reduce_itemsize: int = field(kw_only=True)   # bytes per element of the reduced gradients

@@ -24,9 +24,10 @@ both checked on every change; the gradients still to arrive in this backward,
 which slots were written since ``zero_grad``, whether its gradient shard still
 holds values from before ``zero_grad``, its last fold's pending write, the
 bytes of activations its forward moved out (``zero.activation_offload``), and
-whether the running optimizer step has updated it. The parts that drive a step
-(gathers, gradient reducer, update schedule, activation offload) keep no
-per-unit maps of their own: they read and set these.
+whether the running optimizer step has updated it. The gathers, the gradient
+reducer and the activation offload read and set these; what is still kept
+apart is the cap's release order (:class:`~infinity.zero.live_units.LiveUnits`)
+and the update schedules' sets of units submitted or launched.
 """
 
 from __future__ import annotations

@@ -561,7 +561,7 @@ def test_expected_peak_rss_counts_what_the_engine_holds_not_the_caps(tmp_path):
 
     def host_tier(backward_writes, budget):
         t = dict(traffic, write=dict(traffic["write"], backward=backward_writes))
-        return cost._expected_rss(p2.rss_bound, t, cost.unit_placement(layout2, stage2), layout2.units, 2, 2, 2,
+        return cost._expected_rss(p2.rss_bound, t, cost.unit_placement(layout2, stage2),
                                   {Tier.HOST: budget, Tier.DEVICE: 0}, True, layout2.largest_param_numel,
                                   0).host_tier_bytes
     assert host_tier(written, 64 * 2**20) - host_tier(0, 64 * 2**20) == written
