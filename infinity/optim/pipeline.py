@@ -20,8 +20,12 @@ host->device on the other lane's stream while Adam moves on to the next shard; i
 the caller's thread (in ``finish``): collectives never come from a pipeline thread.
 
 Host memory is bounded twice: ``lookahead`` shards are swapped in ahead of the
-one being updated, and the store's host budget caps every buffer (a swap-in
-waits for room that an earlier write-back frees). The staging buffers of
+one being updated, and every host copy the step brings lives in a room of the
+store's host tier that the step sets aside when it starts
+(:meth:`TensorStore.open_room`): the swap-in takes a shard only once the room
+has space for it beside the shards not yet done, makes room from its own
+finished shards' copies, and never competes with whoever else uses the host
+tier meanwhile (gradient folds, stage-3 gathers). The staging buffers of
 device tensors come from a pool of their own (pinned on CUDA through
 ``cudaHostRegister``, see :mod:`infinity.store.pinned_host`), bounded by the
 lookahead rather than a budget and cut back at each step's end to the most the
@@ -51,7 +55,7 @@ import torch
 
 from infinity.optim.cpu_adam import CpuAdamW, device_adamw_, device_adamw_blocks_, write_param_
 from infinity.optim.split_master import join_bf16_, split_bf16_
-from infinity.store import BudgetError, StoreError, TensorStore, Tier
+from infinity.store import StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.host_pool import HostBufferPool
 from infinity.store.pinned_host import CudaHostRegistrar, HostRegistrar
@@ -119,6 +123,7 @@ class ShardJob:
     _handover: dict = field(default_factory=dict, repr=False)   # field -> (source key, field key)
     _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
     _submitted_s: float = field(default=0.0, repr=False)
+    _room_bytes: int = field(default=0, repr=False)   # what it was promised of the look-ahead room
 
 
 @dataclass
@@ -144,20 +149,23 @@ class AdamPipeline:
     :class:`DeviceCopier` as CUDA tensors are) so CPU tests exercise it; off by default.
     ``host_registrar`` page-locks the staging buffers of those copies (default: ``cudaHostRegister``
     when the tensors are on CUDA, none on CPU).
-    ``yields_to(owner)`` picks the store pin owners whose pins the swap-in waits out when refused host
-    room (:meth:`TensorStore.wait_for_pins`): owners that drop their pins without waiting for this
-    pipeline, such as gradient folds finished as they are made beside an overlapped update. Default:
-    none (the room that other owners' pins hold is taken as not coming back).
+    The look-ahead's room (opened by :meth:`start`, closed when the step ends): ``job_bytes``, the host
+    bytes of the largest job, asks for ``lookahead + 2`` of them (the shards ahead, the one being
+    updated and one being written home) and takes at least one; ``leave_bytes`` is kept for the rest
+    of the tier (what runs beside an overlapped update). ``job_bytes`` None: as much as the tier can
+    free (a pipeline that has the store to itself).
     """
 
     def __init__(self, store: TensorStore | None, adam: CpuAdamW, lookahead: int = 1, tracer: Tracer = NULL_TRACER,
                  copy_cpu_tensors: bool = False, host_registrar: HostRegistrar | None = None,
-                 yields_to: Callable[[object], bool] | None = None):
+                 job_bytes: int | None = None, leave_bytes: int = 0):
         if lookahead < 1:
             raise ValueError(f"AdamPipeline: lookahead must be >= 1 shard, got {lookahead}")
         self.store, self.adam, self.lookahead, self.tracer = store, adam, lookahead, tracer
         self.copy_cpu_tensors = copy_cpu_tensors
-        self.yields_to = yields_to
+        self.job_bytes, self.leave_bytes = job_bytes, leave_bytes
+        self._room = None            # the running step's look-ahead room in the store's host tier
+        self._room_left = 0          # its bytes not promised to a job in flight
         self._copier: DeviceCopier | None = None
         self._staging: HostBufferPool | None = None   # host buffers of device tensors' copies
         self._host_registrar = host_registrar
@@ -201,6 +209,11 @@ class AdamPipeline:
         """Begin a step whose jobs come one by one through :meth:`submit`."""
         if self.running:
             raise RuntimeError("AdamPipeline.start: a step is already running; finish() it first")
+        if self.store is not None:
+            want = None if self.job_bytes is None else (self.lookahead + 2) * self.job_bytes
+            self._room = self.store.open_room(Tier.HOST, "the optimizer's look-ahead", want=want,
+                                              least=self.job_bytes or 0, leave=self.leave_bytes)
+            self._room_left = self._room.size_bytes
         self._jobs: queue.Queue = queue.Queue()
         self._landed: queue.Queue = queue.Queue()   # (name, on_done, param) for the caller's thread, then _END
         ready: queue.Queue = queue.Queue()
@@ -301,14 +314,6 @@ class AdamPipeline:
         self._drain_landed()
         self._join(drop_error=True)
 
-    def wait_for_room(self, attempt: Callable):
-        """``attempt()``, retried while it fails for host room (BudgetError) that this step's pinned
-        shards hold (each retry waits for the compute thread to release one) or that dirty copies
-        hold (spilled home first, see :meth:`_retry_for_room`). For callers beside the pipeline (a
-        gradient fold or a stage-3 gather during an overlapped step); a budget too small for both raises."""
-        running = self.running
-        return self._retry_for_room(attempt, lambda: running and (bool(self._held) or self._issued > self._released))
-
     def _drain_landed(self) -> None:
         """Skip the on_done calls still to come, up to the compute thread's end marker."""
         while self._landed.get() is not _END:
@@ -318,6 +323,9 @@ class AdamPipeline:
         threads, self._threads = self._threads, []
         for t in threads:
             t.join()
+        if self._room is not None:   # what the step left cached there becomes the tier's
+            self.store.close_room(self._room)
+            self._room = None
         if self._error is not None:
             # the swap-in thread has exited: nothing can take a new pin while these are dropped
             self._unpin_held()
@@ -330,7 +338,7 @@ class AdamPipeline:
         self._stop.set()
         self._slots.release()   # the swap-in thread may wait for a slot
         with self._progress:
-            self._progress.notify_all()   # or for room (see _bring_pinned)
+            self._progress.notify_all()   # or for room (see _take_room)
 
     # ------------------------------------------------------------ the three stages
 
@@ -388,6 +396,7 @@ class AdamPipeline:
                     with self._progress:
                         self._job_writes[job.name] = job_writes
                         self._released += 1
+                        self._room_left += job._room_bytes
                         self._progress.notify_all()
                     self._slots.release()
                     # this job's host tensors go with it: the wait for the next one may be long, and the
@@ -436,6 +445,9 @@ class AdamPipeline:
                 for src, _ in job._handover.values():
                     if self.store.is_dirty(src):
                         self.store.wait(self.store.write_back(src))
+                if not self._take_room(job):
+                    ready.put(None)   # stopped meanwhile (abort): the compute thread may wait for an item
+                    return
                 for name, value in [(n, getattr(job, n)) for n in _FIELDS] + \
                         [((_SOURCE, n), v) for n, v in job.sources.items()]:
                     if name in job._handover:
@@ -543,65 +555,26 @@ class AdamPipeline:
             except StoreError:
                 pass
 
+    def _take_room(self, job: ShardJob) -> bool:
+        """Swap-in thread: wait until the look-ahead room has space for ``job``'s host copies beside the jobs
+        in flight (the compute thread gives it back as it finishes each), and promise it to the job. A job
+        bigger than the whole room goes alone (the store then refuses what does not fit, naming the room).
+        False: the step was stopped meanwhile."""
+        keys = {getattr(job, n) for n in _FIELDS if isinstance(getattr(job, n), str) and n not in job._handover} | \
+            {v for v in job.sources.values() if isinstance(v, str)}   # a handed-over field takes its source's copy
+        job._room_bytes = 0 if self._room is None else sum(self.store.working_bytes(k, Tier.HOST) for k in keys)
+        with self._progress:
+            while job._room_bytes > self._room_left and self._issued > self._released and not self._stop.is_set():
+                self._progress.wait()
+            self._room_left -= job._room_bytes
+        return not self._stop.is_set()
+
     def _bring_pinned(self, key: str, overwrite: bool = False):
-        """Bring ``key`` to host, pinned (``overwrite``: claimed, its old bytes not read).
-
-        The store refuses (BudgetError) when the room is held by pinned copies, which
-        for us are shards the compute thread has not finished: wait for the
-        next one to finish and retry; or copies pinned by owners this pipeline yields to (gradient
-        folds beside an overlapped update, which never wait for it while they hold a pin): wait for
-        those to be dropped and retry. If it holds none, the host budget is below one shard's
-        working set and waiting would never end, so the error stands."""
+        """Bring ``key`` to host, pinned, in the look-ahead room (``overwrite``: claimed, its old bytes not
+        read). The room holds this job beside the ones in flight (:meth:`_take_room`): the store makes
+        space by dropping copies of finished jobs, waiting for their writes home if it must."""
         move = self.store.claim if overwrite else self.store.bring
-        # stopped (an error or abort): this thread gives up at once; the step's threads may already be
-        # detached from `running` by a join waiting for this one to exit
-        yielded = None if self.yields_to is None else \
-            (lambda tier: self.store.wait_for_pins(tier, self.yields_to, stopped=self._stop.is_set))
-        return self._retry_for_room(lambda: move(key, Tier.HOST, pin=True), lambda: self._issued > self._released,
-                                    stopped=self._stop.is_set, yielded=yielded)
-
-    def _retry_for_room(self, attempt: Callable, can_wait: Callable[[], bool], stopped: Callable | None = None,
-                        yielded: Callable | None = None):
-        """``attempt()``; on BudgetError, while ``can_wait()`` (under the lock) says the compute thread
-        will release a shard, wait for that and try again. Otherwise, if ``yielded(tier)`` waited for
-        other owners' pins there to go (True), try again. Otherwise, if the room is held by copies
-        only a write can free (gradients left unwritten for updates not begun, whose swap-in may itself
-        wait for this room), write some home (``store.spill``) and try again; else the error stands.
-        ``stopped()`` True ends the retries (default: this step was stopped while still running)."""
-        stopped = stopped or (lambda: self.running and self._stop.is_set())
-        while True:
-            with self._progress:
-                released = self._released
-            try:
-                return attempt()
-            except BudgetError as e:
-                t0 = waited = None
-                with self._progress:
-                    waiting = can_wait()
-                    # after an error or abort the compute thread releases nothing more
-                    while waiting and self._released == released and not self._stop.is_set():
-                        t0 = t0 or time.perf_counter()
-                        self._progress.wait()
-                    if t0 is not None:
-                        waited = time.perf_counter() - t0
-                    if stopped():   # a stopped step's leftovers: not retried
-                        if self._error is not None:   # the pipeline failed: its cause, not the room it held
-                            raise self._error from e
-                        raise
-                if waited is not None and self.store is not None:   # a wait for the store's room: booked as one
-                    self.store.book_wait(waited)
-                if waiting or (yielded is not None and yielded(e.tier)):
-                    continue
-                spilled = self.store.spill(e.tier, e.requested_bytes) if self.store is not None else []
-                if not spilled:
-                    with self._progress:
-                        # the room changed hands since can_wait() said no (the update pinned the dirty
-                        # copy the spill would have written): wait for it as above instead of failing
-                        if can_wait():
-                            continue
-                    raise
-                for f in spilled:
-                    self.store.wait(f)
+        return move(key, Tier.HOST, pin=True, within=self._room)
 
     def _update(self, job: ShardJob, t: dict, hyper) -> tuple:
         """Update one shard; returns the parameter as it lives in its final place, and the future

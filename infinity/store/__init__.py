@@ -3,11 +3,12 @@
 ``TensorStore`` keeps each key's home copy and working copies in faster tiers,
 moves them asynchronously (futures), tracks every copy's :class:`Residency`
 with checked transitions, and keeps each tier within its byte budget by
-evicting clean copies chosen by an :class:`EvictionPolicy`. Imports only
+evicting clean copies chosen by an :class:`EvictionPolicy` (writing dirty ones home
+first), with :class:`Room` s set aside for a party's phase. Imports only
 ``infinity.config``, ``infinity.io`` and the leaf ``infinity.native_build``.
 """
 
-from infinity.store.budget import BudgetError, resolve_budgets
+from infinity.store.budget import BudgetError, Room, resolve_budgets
 from infinity.store.eviction import Candidate, EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
 from infinity.store.residency import IllegalTransition, Residency, StoreError, Tier
@@ -20,6 +21,7 @@ __all__ = [
     "StoreError",
     "IllegalTransition",
     "BudgetError",
+    "Room",
     "EvictionPolicy",
     "LRUPolicy",
     "Candidate",

@@ -49,8 +49,8 @@ from infinity.store.memory_grant import host_memory
 from infinity.store.records import KeyRecord
 from infinity.store.residency import Residency, StoreError, Tier
 
-__all__ = ["BudgetError", "TierAccount", "DeviceHeadroom", "resolve_budgets", "auto_host_bytes",
-           "auto_device_bytes", "local_ranks", "plan_room", "plan_spill"]
+__all__ = ["BudgetError", "Room", "pool_of", "TierAccount", "DeviceHeadroom", "resolve_budgets", "auto_host_bytes",
+           "auto_device_bytes", "local_ranks", "plan_room", "plan_spill", "idle_copies", "idle_candidates"]
 
 GiB = 2**30
 OS_RESERVE_MIN_BYTES = 2 * GiB      # host RAM auto never plans for: kernel, page cache, other processes
@@ -67,12 +67,14 @@ log = logging.getLogger(__name__)
 class BudgetError(StoreError):
     """A tier cannot make room: nothing in it can be evicted and nothing in flight will free space."""
 
-    def __init__(self, tier: Tier, budget_bytes: int, in_use_bytes: int, requested_bytes: int, why: str):
+    def __init__(self, tier: Tier, budget_bytes: int, in_use_bytes: int, requested_bytes: int, why: str,
+                 room=None):
         super().__init__(
             f"{tier.value} tier: cannot fit {requested_bytes} bytes ({format_size(requested_bytes)}): "
             f"budget {budget_bytes} bytes ({format_size(budget_bytes)}), in use {in_use_bytes} bytes; {why}")
         self.tier, self.budget_bytes = tier, budget_bytes
         self.in_use_bytes, self.requested_bytes = in_use_bytes, requested_bytes
+        self.room = room   # the Room that is short; None: the tier's shared pool
 
 
 @dataclass(frozen=True)
@@ -146,25 +148,63 @@ def resolve_budgets(tiers: TiersConfig, device: torch.device,
     return {Tier.DEVICE: int(device_bytes), Tier.HOST: int(host_bytes)}
 
 
+@dataclass(eq=False)
+class Room:
+    """Bytes of one tier held for one party through a phase (:meth:`TensorStore.open_room
+    <infinity.store.tensor_store.TensorStore.open_room>`). The copies and scratch buffers the party asks
+    for ``within`` it are charged to it, up to ``size_bytes``. ``backed_bytes``: bytes set aside for it
+    and not yet used, which nobody else's request can take; it starts with what the tier has free and
+    grows, as the party needs it, over copies nobody holds (evicted from the shared pool) and over copies
+    the party pins (they move in). It holds what its party holds, and ``floor_bytes`` at least (used and
+    backed together, set aside when it opens): a copy whose last pin goes becomes the shared pool's where
+    the room keeps its floor without it (else it stays, idle, the room's to drop), and the bytes of its
+    copies that are dropped stay set aside for it up to the floor, the rest return to the tier. Making room inside it drops
+    only its own idle copies. Closed, its set-aside bytes return to the tier and its copies become
+    ordinary ones."""
+
+    name: str
+    tier: Tier
+    size_bytes: int
+    floor_bytes: int = 0      # what it keeps set aside as its copies go: the bytes its party needs at least
+    used_bytes: int = 0
+    backed_bytes: int = 0
+    open: bool = True
+
+
+def pool_of(room) -> "Room | None":
+    """The room a copy or request is charged to while that room is open; None: the tier's shared pool."""
+    return room if room is not None and room.open else None
+
+
 @dataclass
 class TierAccount:
     """Bytes reserved in one tier. ``budget_bytes`` None = unbounded (NVMe). ``peak_bytes``: the most
-    ever reserved; ``window_peak_bytes``: the most since the last :meth:`take_window_peak` (one step)."""
+    ever reserved; ``window_peak_bytes``: the most since the last :meth:`take_window_peak` (one step).
+    ``set_aside_bytes``: the open rooms' backed bytes, which the shared pool cannot take."""
 
     tier: Tier
     budget_bytes: int | None
     in_use_bytes: int = 0
     peak_bytes: int = 0
     window_peak_bytes: int = 0
+    set_aside_bytes: int = 0
 
     def free_bytes(self) -> int | float:
-        return float("inf") if self.budget_bytes is None else self.budget_bytes - self.in_use_bytes
+        """Free bytes of the shared pool."""
+        return float("inf") if self.budget_bytes is None else \
+            self.budget_bytes - self.in_use_bytes - self.set_aside_bytes
 
-    def reserve(self, nbytes: int) -> None:
-        if self.budget_bytes is not None and self.in_use_bytes + nbytes > self.budget_bytes:
+    def reserve(self, nbytes: int, room: Room | None = None) -> None:
+        """Charge ``nbytes`` to the shared pool, or to ``room`` out of its backed bytes."""
+        if nbytes > (room.backed_bytes if room is not None else self.free_bytes()):
             # The store makes room before reserving; getting here means its bookkeeping is wrong.
-            raise AssertionError(f"{self.tier.value} tier over budget: {self.in_use_bytes} + {nbytes} "
-                                 f"> {self.budget_bytes}")
+            where = f"room {room.name!r}" if room is not None else "tier"
+            raise AssertionError(f"{self.tier.value} {where} over budget: {self.in_use_bytes} + {nbytes} "
+                                 f"> {self.budget_bytes} - {self.set_aside_bytes} set aside")
+        if room is not None:
+            room.backed_bytes -= nbytes
+            room.used_bytes += nbytes
+            self.set_aside_bytes -= nbytes
         self.in_use_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
         self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes)
@@ -174,54 +214,142 @@ class TierAccount:
         peak, self.window_peak_bytes = max(self.window_peak_bytes, self.in_use_bytes), self.in_use_bytes
         return peak
 
-    def unreserve(self, nbytes: int) -> None:
+    def unreserve(self, nbytes: int, room: Room | None = None) -> None:
+        """``room``: the room the bytes were charged to; while it is open they stay set aside for it up to its
+        floor."""
         assert 0 <= nbytes <= self.in_use_bytes, (self.tier, nbytes, self.in_use_bytes)
         self.in_use_bytes -= nbytes
+        if room is not None:
+            room.used_bytes -= nbytes
+            if room.open:
+                keep = max(0, min(nbytes, room.floor_bytes - room.used_bytes - room.backed_bytes))
+                room.backed_bytes += keep
+                self.set_aside_bytes += keep
+
+    def join_room(self, nbytes: int, room: Room) -> None:
+        """A shared copy of ``nbytes`` becomes ``room``'s own."""
+        room.used_bytes += nbytes
+
+    def leave_room(self, nbytes: int, room: Room) -> None:
+        """A copy of ``nbytes`` charged to ``room`` becomes the shared pool's (its party let it go)."""
+        room.used_bytes -= nbytes
+
+    def back(self, room: Room, nbytes: int) -> None:
+        """Set ``nbytes`` of the shared pool's free bytes aside for ``room``."""
+        assert 0 <= nbytes <= self.free_bytes(), (self.tier, nbytes, self.free_bytes())
+        room.backed_bytes += nbytes
+        self.set_aside_bytes += nbytes
+
+    def give_back(self, room: Room) -> None:
+        """Close ``room``: its backed bytes return to the shared pool; what is charged to it stays in use."""
+        room.open = False
+        self.set_aside_bytes -= room.backed_bytes
+        room.backed_bytes = 0
 
 
 def plan_room(accounts: dict[Tier, TierAccount], policy: EvictionPolicy, records: dict[str, KeyRecord],
-              needs: dict[Tier, int], key: str) -> list[Candidate] | None:
-    """The copies to drop so every tier in ``needs`` has that many free bytes.
+              needs: dict[Tier, int], key: str, room: Room | None = None, backing: bool = True):
+    """The copies to drop so every tier in ``needs`` can take that many bytes: ``(victims, backs)``, or
+    None when some tier is short but an operation in flight holds bytes there (its end frees or unlocks
+    them: wait and ask again). Raises :class:`BudgetError` (``.room``: the pool that is short) when a tier
+    is short and nothing will change that.
 
-    Returns the victims (possibly none), or None when some tier is short but an
-    operation in flight holds bytes there (its end frees or unlocks them: wait and
-    ask again). Raises :class:`BudgetError` when a tier is short and nothing will
-    change that. All or nothing: no victims unless every tier can be satisfied, so a
-    request that must wait does not throw cached copies away first.
+    In the shared pool, its free bytes, else its idle clean copies (the policy picks). In ``room`` (for its
+    tier): within its size, its own idle clean copies make way first; what its backed bytes then lack is
+    taken from the shared pool as above and set aside for it (``backs``: ``{room: bytes}``, the backed bytes
+    it must have once the victims are dropped, the rest set aside from the shared pool); ``backing`` False takes nothing from the shared pool (a copy
+    moving into the room brings its own bytes). All or nothing: no victims unless every tier can be
+    satisfied, so a request that must wait does not throw cached copies away first.
     """
-    victims, short_tiers = [], []
+    victims, short, backs = [], [], {}
     for tier, nbytes in needs.items():
         acct = accounts[tier]
-        if nbytes > acct.budget_bytes:
+        pool = room if room is not None and room.tier is tier else None
+        if nbytes > (pool.size_bytes if pool is not None else acct.budget_bytes):
             rounded = " (host buffers are whole 4096-byte blocks)" if tier is Tier.HOST else ""
+            whole = f"room {pool.name!r} ({pool.size_bytes} bytes)" if pool is not None else "the whole tier"
             raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, nbytes,
-                              f"key {key!r} alone is bigger than the whole tier{rounded}")
-        short_bytes = nbytes - acct.free_bytes()
-        if short_bytes <= 0:
+                              f"key {key!r} alone is bigger than {whole}{rounded}")
+        if pool is not None:
+            planned = _plan_in_room(records, policy, acct, pool, nbytes, key, backing)
+            if planned == "wait":
+                return None
+            if planned is None:
+                short.append((tier, nbytes, pool))
+            elif planned == "shared":
+                short.append((tier, nbytes, None))
+            else:
+                victims += planned[0]
+                if planned[1]:
+                    backs[pool] = planned[1]
             continue
-        candidates = _candidates(records, tier, key)
-        if sum(c.nbytes for c in candidates) < short_bytes:
-            short_tiers.append((tier, nbytes))
-            continue
-        chosen = policy.choose(candidates, short_bytes)
-        if sum(c.nbytes for c in chosen) < short_bytes or not set(chosen) <= set(candidates):
-            raise StoreError(f"eviction policy {type(policy).__name__} returned copies that do not free "
-                             f"{short_bytes} bytes from the {tier.value} tier")
-        victims += chosen
-    for tier, nbytes in short_tiers:
-        if _in_motion(records, tier):
+        lack = nbytes - acct.free_bytes()
+        if lack > 0:
+            chosen = _choose(policy, idle_candidates(records, tier, key, None), lack)
+            if chosen is None:
+                short.append((tier, nbytes, None))
+                continue
+            victims += chosen
+    for tier, nbytes, pool in short:
+        if _in_motion(records, tier, pool):
             return None
         acct = accounts[tier]
+        if pool is not None:
+            raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, nbytes,
+                              f"for key {key!r} room {pool.name!r} holds {pool.used_bytes} of its {pool.size_bytes} "
+                              f"bytes and nothing of its own can be evicted: {_holders(records, tier, pool)}",
+                              room=pool)
         raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, nbytes,
-                          f"for key {key!r} nothing can be evicted: {_holders(records, tier)}")
-    return victims
+                          f"for key {key!r} nothing can be evicted: {_holders(records, tier, None)}"
+                          + (f"; {acct.set_aside_bytes} bytes are set aside for open rooms" if acct.set_aside_bytes
+                             else ""))
+    return victims, backs
 
 
-def plan_spill(records: dict[str, KeyRecord], tier: Tier, nbytes: int) -> list[str]:
-    """The keys whose ``tier`` copy to write home so that at least ``nbytes`` more can be evicted: idle
-    copies holding the only newest contents (what :func:`plan_room` cannot drop), most recently used
-    first (in a step that walks its shards in order, the copy touched last is the one needed last)."""
-    dirty = sorted((rec for rec in _idle(records, tier) if rec.sole_newest(tier)),
+def _plan_in_room(records, policy: EvictionPolicy, acct: TierAccount, room: Room, nbytes: int, key: str,
+                  backing: bool):
+    """:func:`plan_room` for ``nbytes`` in ``room``: ``(victims, bytes the room must have set aside once they
+    are dropped)``, None
+    when the room's own copies cannot make way (wait for its own in flight, else refused), "wait" when
+    what it lacks waits for copies in flight, "shared" when the shared pool cannot give what it lacks. What the room lacks beyond its backed bytes comes
+    from, in turn: what its size forces out of its own idle copies; the shared pool's free bytes; the
+    least recently used idle copies, its own and the shared pool's alike; its own copies in use and the
+    copies in flight (waited for: its party gives them back without waiting for anybody)."""
+    own = idle_candidates(records, room.tier, key, room)
+    forced = max(0, room.used_bytes + nbytes - room.size_bytes)   # within its size
+    victims = _choose(policy, own, forced) if forced else []
+    if victims is None:
+        return None
+    rest = max(0, nbytes - room.backed_bytes - forced - max(0, acct.free_bytes())) if backing else 0
+    if rest:   # the least recently used idle copies, its own or the shared pool's, as the shared pool would
+        others = [c for c in own if c not in victims] + idle_candidates(records, room.tier, key, None)
+        chosen = _choose(policy, others, rest)
+        if chosen is None:   # the shared pool is held: wait for the room's own copies in use to go
+            held_by_party = room.used_bytes > sum(c.nbytes for c in own)
+            return "wait" if held_by_party or _in_motion(records, room.tier, room) or \
+                _in_motion(records, room.tier, None) else "shared"
+        victims += chosen
+    return victims, nbytes if backing else 0
+
+
+def _choose(policy: EvictionPolicy, candidates: list, nbytes: int) -> list | None:
+    """The candidates the policy drops to free ``nbytes``; None when all of them free less."""
+    if sum(c.nbytes for c in candidates) < nbytes:
+        return None
+    chosen = policy.choose(candidates, nbytes)
+    if sum(c.nbytes for c in chosen) < nbytes or not set(chosen) <= set(candidates):
+        raise StoreError(f"eviction policy {type(policy).__name__} returned copies that do not free "
+                         f"{nbytes} bytes")
+    return chosen
+
+
+def plan_spill(records: dict[str, KeyRecord], tier: Tier, nbytes: int, room: Room | None = None) -> list[str]:
+    """The keys whose ``tier`` copy to write home so that at least ``nbytes`` more can be evicted from
+    ``room`` (None: the shared pool): idle copies holding the only newest contents (what
+    :func:`plan_room` cannot drop) whose write needs no room, most recently used first (in a step that
+    walks its shards in order, the copy touched last is the one needed last)."""
+    dirty = sorted((rec for rec in idle_copies(records, tier, pool=room) if rec.sole_newest(tier)
+                    and _writes_without_room(rec, tier)),
                    key=lambda rec: rec.copies[tier].last_use_tick, reverse=True)
     chosen, total = [], 0
     for rec in dirty:
@@ -232,39 +360,46 @@ def plan_spill(records: dict[str, KeyRecord], tier: Tier, nbytes: int) -> list[s
     return chosen
 
 
-def _idle(records: dict[str, KeyRecord], tier: Tier, exclude_key: str | None = None) -> list[KeyRecord]:
-    """Records, in key order, with a resident working copy in ``tier`` that no operation moves and no one pins.
-    Called for every operation short of room, under the store's lock, over every key (thousands at 2.7B): the
-    cheapest test first, and only the few idle copies sorted."""
+def _writes_without_room(rec: KeyRecord, tier: Tier) -> bool:
+    """Whether writing the ``tier`` copy home needs no new copy on the way (every tier between has one)."""
+    return all(rec.copies[t].state is not Residency.ABSENT for t in Tier if tier.rank < t.rank < rec.home.rank)
+
+
+def idle_copies(records: dict[str, KeyRecord], tier: Tier, exclude_key: str | None = None,
+          pool: Room | None = None) -> list[KeyRecord]:
+    """Records, in key order, with a resident working copy in ``tier`` charged to ``pool`` that no operation
+    moves and no one pins. Called for every operation short of room, under the store's lock, over every key
+    (thousands at 2.7B): the cheapest test first, and only the few idle copies sorted."""
     idle = [(key, rec) for key, rec in records.items()
             if rec.copies[tier].state is Residency.RESIDENT and rec.op is None and tier is not rec.home
-            and key != exclude_key and not rec.copies[tier].pins]
+            and key != exclude_key and not rec.copies[tier].pins and pool_of(rec.copies[tier].room) is pool]
     idle.sort(key=lambda item: item[0])
     return [rec for _, rec in idle]
 
 
-def _candidates(records: dict[str, KeyRecord], tier: Tier, exclude_key: str) -> list[Candidate]:
-    """Copies in ``tier`` that can be dropped with no I/O (see eviction.py), in key order."""
+def idle_candidates(records: dict[str, KeyRecord], tier: Tier, exclude_key: str,
+                    pool: Room | None = None) -> list[Candidate]:
+    """Copies in ``tier`` charged to ``pool`` that can be dropped with no I/O (see eviction.py), in key order."""
     out = []
-    for rec in _idle(records, tier, exclude_key):
+    for rec in idle_copies(records, tier, exclude_key, pool):
         if not rec.sole_newest(tier):   # stale, or another tier holds the newest bytes too
             c = rec.copies[tier]
             out.append(Candidate(rec.key, tier, c.reserved_bytes, c.last_use_tick, c.version != rec.latest))
     return out
 
 
-def _in_motion(records: dict[str, KeyRecord], tier: Tier) -> bool:
-    """Whether an operation in flight holds bytes in ``tier`` (its end may free or unlock them)."""
+def _in_motion(records: dict[str, KeyRecord], tier: Tier, pool: Room | None = None) -> bool:
+    """Whether an operation in flight holds bytes in ``tier`` charged to ``pool`` (its end may free or unlock them)."""
     return any(rec.op is not None and rec.op.kind != "release" and rec.copies[tier].state is not Residency.ABSENT
-               for rec in records.values())
+               and pool_of(rec.copies[tier].room) is pool for rec in records.values())
 
 
-def _holders(records: dict[str, KeyRecord], tier: Tier) -> str:
-    """Where a full tier's bytes are, for the error message."""
+def _holders(records: dict[str, KeyRecord], tier: Tier, pool: Room | None) -> str:
+    """Where a full tier's (or room's) bytes are, for the error message."""
     kinds: collections.Counter = collections.Counter()
     for rec in records.values():
         c = rec.copies[tier]
-        if c.state is Residency.ABSENT:
+        if c.state is Residency.ABSENT or pool_of(c.room) is not pool:
             continue
         kind = ("home copies" if tier is rec.home else "pinned" if c.pins else
                 "in motion" if rec.op is not None else "holding the only newest data (write back first)")

@@ -30,6 +30,7 @@ class CopyRecord:
     tensor: torch.Tensor | None = None   # what get() hands out (device/host); None on NVMe or when absent
     buffer: torch.Tensor | None = None   # the pool buffer under ``tensor`` (host, a CPU device copy), returned on drop
     reserved_bytes: int = 0              # what this copy holds against its tier's budget
+    room: object = None                  # the Room its bytes are charged to; None: the tier's shared pool
     # owner token -> pins: the token the pinning caller named (a unit's gather, a fold), else its thread id
     pinned_by: collections.Counter = field(default_factory=collections.Counter)
     last_use_tick: int = 0
@@ -79,6 +80,7 @@ class Transfer:
                                                         # pin the target for them when it lands
     init: torch.Tensor | None = None  # register: the caller's tensor (None = zeros)
     copy_async: bool = False          # register: copy ``init`` on the copier thread, not the caller's
+    room: object = None               # the Room the new host copy is charged to (bring/claim ``within``)
 
 
 @dataclass

@@ -11,8 +11,17 @@ device lands a host copy on the way; it stays as a clean cached copy that the
 budget may evict. Each moving operation reserves every byte it needs, in every
 tier, before it starts, and an operation in flight never waits for anything but
 its own I/O, so ops in flight always finish and whoever waits for space on them
-makes progress; when nothing in flight would free space and nothing can be
-evicted, the request fails with :class:`BudgetError` instead of waiting forever.
+makes progress. Short of room, the store drops clean copies (the eviction
+policy picks), waits for operations in flight, and writes dirty idle copies home
+(a spill: once home they are clean and droppable), as any write-back cache does;
+when none of that would free space, the request fails with :class:`BudgetError`
+instead of waiting forever.
+
+Rooms: a party that holds host memory across a phase (the optimizer's look-ahead)
+sets its bytes aside when the phase starts (:meth:`TensorStore.open_room`) and
+asks ``within`` that :class:`~infinity.store.budget.Room`; nobody else's request
+can take those bytes, and the party's own requests make room only from its own
+copies. No party waits for another to give memory back.
 
 Locking: one lock + condition guards all bookkeeping. It is never held while
 calling into the io layer, the device copier, or a returned future's
@@ -31,13 +40,15 @@ import math
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
 from infinity.config import IOConfig, TiersConfig
 from infinity.io import ExtentFile, IOEngine
-from infinity.store.budget import TierAccount, plan_room, plan_spill, resolve_budgets
+from infinity.store.budget import (BudgetError, Room, TierAccount, idle_candidates, plan_room, plan_spill, pool_of,
+                                  resolve_budgets)
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.eviction import EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
@@ -50,6 +61,35 @@ from infinity.store.transfers import TransferRunner, done_future as _done
 __all__ = ["TensorStore"]
 
 _R = Residency
+
+
+@dataclass
+class _Recharge:
+    """A current shared-pool copy to pin within ``room``: its bytes move into the room (see
+    :meth:`TensorStore._use_current`)."""
+
+    rec: KeyRecord
+    tier: Tier
+    owner: object
+    room: Room
+
+    def apply(self, account: TierAccount, touch) -> cf.Future:
+        """Under the lock, once the room has space: move the charge, pin, touch; the copy's done future."""
+        copy = self.rec.copies[self.tier]
+        account.unreserve(copy.reserved_bytes)   # the copy's own bytes back it in the room
+        account.back(self.room, max(0, copy.reserved_bytes - self.room.backed_bytes))
+        account.reserve(copy.reserved_bytes, self.room)
+        copy.room = self.room
+        copy.pin(self.owner)
+        touch(copy)
+        return _done(copy.tensor)
+
+
+def _within(result, room: Room | None):
+    """A planned Transfer charged to ``room`` (a future or a wait passes through)."""
+    if room is not None and isinstance(result, Transfer):
+        result.room = room
+    return result
 
 
 def _owner(owner):
@@ -113,6 +153,8 @@ class TensorStore(TransferRunner):
         self._scratch_bytes = 0        # host scratch buffers handed out (host_scratch), in the host account
         self._scratch_peak_bytes = 0
         self._thread_waits = threading.local()   # per thread: the engine charges its own thread's waits
+        self._scratch_rooms: dict = {}   # host scratch buffer address -> the room it is charged to (or None)
+        self._rooms: set = set()          # the open rooms (open_room)
 
     # ------------------------------------------------------------------ public operations
 
@@ -152,13 +194,14 @@ class TensorStore(TransferRunner):
         new = KeyRecord(key, shape, dtype, nbytes, home)
         return self._issue(key, "register", plan, new_record=new)
 
-    def bring(self, key: str, tier: Tier | str, pin: bool = False, owner=None) -> cf.Future:
+    def bring(self, key: str, tier: Tier | str, pin: bool = False, owner=None, within: Room | None = None) -> cf.Future:
         """Make the ``tier`` copy of ``key`` current. Future of its tensor (None for NVMe).
 
         ``tier`` may be the home tier or a faster one. With ``pin`` the copy is pinned
         (see :meth:`pin`; for ``owner``) atomically when it is ready, so nothing can evict it in
         between; without, another thread's bring may evict it under budget pressure once it is ready.
         A second bring of the same key and tier while one is in flight shares its future.
+        ``within``: an open :class:`Room` of the caller's that a new copy in its tier is charged to.
         """
         tier = Tier.parse(tier)
         owner = _owner(owner)
@@ -168,11 +211,11 @@ class TensorStore(TransferRunner):
                 if pin:
                     rec.op.pins_on_done.append(owner)
                 return rec.op.future
-            return self._plan_current(rec, tier, "bring", pin, owner)
+            return _within(self._plan_current(rec, tier, "bring", pin, owner, within), within)
         return self._issue(key, "bring", plan)
 
     def claim(self, key: str, tier: Tier | str, pin: bool = False, src: torch.Tensor | None = None,
-              write_home: bool = False, owner=None) -> cf.Future:
+              write_home: bool = False, owner=None, within: Room | None = None) -> cf.Future:
         """A working copy of ``key`` in ``tier`` for a caller that will overwrite all of it.
 
         Unlike :meth:`bring`, the old contents are not read: an optimizer producing a new
@@ -207,16 +250,13 @@ class TensorStore(TransferRunner):
                 return None   # another operation moves this key: wait for it, then plan again
             copy = rec.copies[tier]
             if src is None and copy.state is _R.RESIDENT and copy.version == rec.latest:
-                if pin:
-                    copy.pin(owner)
-                self._touch(copy)
-                return _done(copy.tensor)   # already current: nothing to discard or read
+                return self._use_current(rec, tier, pin, owner, within)   # nothing to discard or read
             hops = [(None, tier)] + (self._path(tier, rec.home) if write_home else [])
             if self._targets_pinned(rec, hops, "claim", owner):
                 return None
             op = Transfer("claim", tier, hops, version=rec.latest + 1, init=src, copy_async=src is not None)
             op.pins_on_done = [owner] if pin else []
-            return op
+            return _within(op, within)
         return self._issue(key, "claim", plan)
 
     def write_back(self, key: str) -> cf.Future:
@@ -258,18 +298,6 @@ class TensorStore(TransferRunner):
                 return None
             return Transfer("evict", rec.home, hops, version=rec.latest)
         return self._issue(key, "evict", plan)
-
-    def spill(self, tier: Tier | str, nbytes: int) -> list[cf.Future]:
-        """Start writing home copies in ``tier`` that hold the only newest contents of their key (dirty,
-        unpinned, idle; which ones: :func:`~infinity.store.budget.plan_spill`), until at least ``nbytes``
-        of them are on the way; once home they are clean and an eviction can take their room. Returns
-        the write-backs' futures (empty: nothing to spill). For a caller refused room (BudgetError) by
-        copies only a write could free, e.g. gradients kept unwritten for an update not caught up."""
-        tier = Tier.parse(tier)
-        with self._cond:
-            chosen = plan_spill(self._keys, tier, nbytes)
-            self._spills[tier] += len(chosen)
-        return [self.write_back(key) for key in chosen]
 
     def discard(self, key: str, tier: Tier | str) -> None:
         """Drop the ``tier`` working copy of ``key`` *without* writing it home, even if it holds the
@@ -352,29 +380,15 @@ class TensorStore(TransferRunner):
             rec = self._lookup(key, "unpin")
             if not rec.copies[tier].pins:
                 raise self._refuse(rec, tier, "unpin", "it is not pinned")
-            if not rec.copies[tier].unpin(owner):
+            copy = rec.copies[tier]
+            if not copy.unpin(owner):
                 raise self._refuse(rec, tier, "unpin", f"owner {owner!r} holds no pin on it")
+            room = pool_of(copy.room)
+            if room is not None and not copy.pins and \
+                    room.used_bytes + room.backed_bytes - copy.reserved_bytes >= room.floor_bytes:
+                self._accounts[tier].leave_room(copy.reserved_bytes, room)   # a room holds what its party holds
+                copy.room = None
             self._cond.notify_all()
-
-    def wait_for_pins(self, tier: Tier | str, owners: Callable[[object], bool],
-                      stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.05) -> bool:
-        """Wait until no ``tier`` copy is pinned by an owner that ``owners(token)`` picks (the time counted
-        in ``stats()["wait_s"]``); False at once (nothing waited for) when none is. For a caller refused
-        room (BudgetError) held by pins of owners that drop them without waiting for that caller, e.g. an
-        optimizer's swap-in beside gradient folds that are finished as they are made. ``stopped()`` True (polled every ``poll_s``) ends the wait."""
-        tier = Tier.parse(tier)
-
-        def held() -> bool:
-            return any(owners(o) for rec in self._keys.values() for o in rec.copies[tier].pinned_by)
-
-        with self._cond:
-            if not held():
-                return False
-            t0 = time.perf_counter()
-            while held() and not stopped() and not self._closed:
-                self._cond.wait(poll_s)
-            self._add_wait(time.perf_counter() - t0)
-        return True
 
     @contextlib.contextmanager
     def use(self, key: str, tier: Tier | str, dirty: bool = False, owner=None) -> Iterator[torch.Tensor]:
@@ -395,35 +409,108 @@ class TensorStore(TransferRunner):
             finally:
                 self.unpin(key, tier, owner)
 
-    def host_scratch(self, nbytes: int) -> torch.Tensor:
+    def host_scratch(self, nbytes: int, within: Room | None = None) -> torch.Tensor:
         """A uint8 host buffer of at least ``nbytes`` (pinned on CUDA) that is no key's copy, counted
-        against the host budget like one: room is made for it by eviction (waiting for operations in
-        flight), and :class:`BudgetError` is raised when nothing can free enough. For staging
+        against the host budget like one (``within``: charged to that open room): room is made for it as
+        for a copy, and :class:`BudgetError` is raised when nothing can free enough. For staging
         device->host copies (:meth:`copy_to_host`). Give it back with :meth:`release_scratch`."""
         cost = self.pool.buffer_bytes(nbytes)
+        room = pool_of(within)
+        self._reserve_room({Tier.HOST: cost}, "<host scratch>", room,
+                            lambda: self._accounts[Tier.HOST].reserve(cost, room))
         with self._cond:
-            while not self._make_room({Tier.HOST: cost}, "<host scratch>"):
-                self._cond.wait()
-            self._accounts[Tier.HOST].reserve(cost)
             self._scratch_bytes += cost
             self._scratch_peak_bytes = max(self._scratch_peak_bytes, self._scratch_bytes)
         try:
-            return self.pool.acquire(nbytes)
+            buf = self.pool.acquire(nbytes)
         except BaseException:
-            self._unreserve_scratch(cost)
+            self._unreserve_scratch(cost, room)
             raise
+        with self._cond:
+            self._scratch_rooms[buf.data_ptr()] = room
+        return buf
 
     def release_scratch(self, buf: torch.Tensor) -> None:
         """Give back a :meth:`host_scratch` buffer; no copy into or out of it may be in flight."""
         cost = buf.numel()
-        self.pool.release(buf)
-        self._unreserve_scratch(cost)
-
-    def _unreserve_scratch(self, cost: int) -> None:
         with self._cond:
-            self._accounts[Tier.HOST].unreserve(cost)
+            room = self._scratch_rooms.pop(buf.data_ptr(), None)
+        self.pool.release(buf)
+        self._unreserve_scratch(cost, room)
+
+    def _unreserve_scratch(self, cost: int, room: Room | None) -> None:
+        with self._cond:
+            self._accounts[Tier.HOST].unreserve(cost, room)
             self._scratch_bytes -= cost
             self._cond.notify_all()
+
+    def open_room(self, tier: Tier | str, name: str, want: int | None = None, least: int = 0,
+                  leave: int = 0) -> Room:
+        """Hold bytes of ``tier`` for one party's phase (module doc) and return the :class:`Room` the party
+        asks ``within`` until :meth:`close_room`. Its size: ``want`` bytes (None: as many as there are), or,
+        where the tier holds fewer beside its homes, pinned copies, scratch and other rooms' sizes, that less
+        ``leave`` (kept for everybody else), but at least ``least`` (:class:`BudgetError` if the tier cannot
+        give that). What the tier has free now (less ``leave``) is set aside for it at once; where that is
+        less than ``least``, the cached copies the policy would evict first become its own (still cached),
+        and room is made for the rest as for a copy; beyond that it takes what it needs as it goes (see
+        :class:`Room`)."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            if self._closed:
+                raise StoreError(f"open_room {name!r}: the store is closed")
+            acct = self._accounts[tier]
+            room = Room(name, tier, self._room_size(tier, name, want, least, leave), floor_bytes=least)
+            acct.back(room, max(0, min(room.size_bytes, acct.free_bytes() - leave)))
+            self._rooms.add(room)
+            lack = self._adopt(room, room.floor_bytes - room.backed_bytes)
+        if lack > 0:   # the rest of its floor is made room for as for a copy
+            try:
+                self._reserve_room({tier: lack}, f"<room {name}>", None, lambda: acct.back(room, lack))
+            except BaseException:
+                self.close_room(room)
+                raise
+        return room
+
+    def _adopt(self, room: Room, nbytes: int) -> int:
+        """Under the lock: the shared pool's idle clean copies the policy would evict first, up to ``nbytes``,
+        become ``room``'s own (cached still: its party may use them, or drop them for room); returns the
+        bytes still lacking."""
+        if nbytes <= 0:
+            return 0
+        candidates = idle_candidates(self._keys, room.tier, "", None)
+        chosen = self.policy.choose(candidates, min(nbytes, sum(c.nbytes for c in candidates)))
+        for c in chosen:
+            copy = self._keys[c.key].copies[c.tier]
+            self._accounts[room.tier].join_room(copy.reserved_bytes, room)
+            copy.room = room
+            nbytes -= copy.reserved_bytes
+        return max(0, nbytes)
+
+    def _room_size(self, tier: Tier, name: str, want: int | None, least: int, leave: int) -> int:
+        """Under the lock: the size of a room :meth:`open_room` opens now (see there)."""
+        acct = self._accounts[tier]
+        # what the shared pool holds for good: homes, pinned copies, scratch (copies in motion land unpinned)
+        movable = sum(c.reserved_bytes for rec in self._keys.values() if tier is not rec.home
+                      for c in (rec.copies[tier],) if c.state is not _R.ABSENT and not c.pins
+                      and pool_of(c.room) is None)
+        fixed = acct.in_use_bytes - movable   # other rooms' copies are held too
+        there = acct.budget_bytes - fixed - sum(r.size_bytes - r.used_bytes for r in self._rooms if r.tier is tier)
+        size = there - leave if want is None else min(want, there - leave)
+        size = max(size, least)
+        if size > there:
+            raise BudgetError(tier, acct.budget_bytes, acct.in_use_bytes, size,
+                              f"room {name!r} needs at least {least} bytes, and the tier can free only {there} "
+                              f"beside its homes, pinned copies, scratch and other rooms")
+        return size
+
+    def close_room(self, room: Room) -> None:
+        """End ``room``'s phase: its unused bytes go back to the shared pool, and the copies charged to it
+        become ordinary cached copies there. Idempotent."""
+        with self._cond:
+            if room.open:
+                self._accounts[room.tier].give_back(room)
+                self._rooms.discard(room)
+                self._cond.notify_all()
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> cf.Future:
         """Copy ``src`` (device) into ``dst`` (host, e.g. a :meth:`host_scratch` view) on the copier's
@@ -435,13 +522,6 @@ class TensorStore(TransferRunner):
         """Book ``seconds`` blocked on this thread (called under ``_cond``)."""
         self._wait_s += seconds
         self._thread_waits.s = getattr(self._thread_waits, "s", 0.0) + seconds
-
-    def book_wait(self, seconds: float) -> None:
-        """Count ``seconds`` the calling thread spent blocked outside a store call for the store's room
-        (waiting for another thread to release host room it holds) as a wait on the store, as
-        :meth:`wait_for_pins` counts its own."""
-        with self._cond:
-            self._add_wait(seconds)
 
     def thread_wait_s(self) -> float:
         """Seconds the calling thread has spent blocked in the store since it was built (all threads'
@@ -533,6 +613,13 @@ class TensorStore(TransferRunner):
             rec = self._lookup(key, "layout")
             return rec.shape, rec.dtype
 
+    def working_bytes(self, key: str, tier: Tier | str) -> int:
+        """What a working copy of ``key`` in ``tier`` holds against the tier's budget (0 in its home tier)."""
+        tier = Tier.parse(tier)
+        with self._cond:
+            rec = self._lookup(key, "working_bytes")
+            return 0 if tier is rec.home else self._cost(rec, tier)
+
     def nbytes(self, key: str) -> int:
         """The key's tensor size in bytes (what each of its copies holds)."""
         with self._cond:
@@ -550,6 +637,7 @@ class TensorStore(TransferRunner):
                 "evictions": {t.value: self._evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "explicit_evictions": {t.value: self._explicit_evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
                 "spills": {t.value: self._spills[t] for t in (Tier.DEVICE, Tier.HOST)},
+                "set_aside_bytes": {t.value: self._accounts[t].set_aside_bytes for t in (Tier.DEVICE, Tier.HOST)},
                 "scratch_bytes": self._scratch_bytes, "scratch_peak_bytes": self._scratch_peak_bytes,
                 "wait_s": self._wait_s,
             }
@@ -617,17 +705,18 @@ class TensorStore(TransferRunner):
             tiers.reverse()
         return list(zip(tiers, tiers[1:]))
 
-    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool, owner=None):
-        """A Transfer that makes the ``tier`` copy current, or a done future if it already is."""
+    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool, owner=None,
+                      within: Room | None = None):
+        """A Transfer that makes the ``tier`` copy current, or a done future if it already is (or a
+        :class:`_Recharge`, see :meth:`_use_current`)."""
         if tier.rank > rec.home.rank:
             raise self._refuse(rec, tier, kind, f"it is slower than the home tier ({rec.home.value}); "
                                                 "working copies live in faster tiers")
         copy = rec.copies[tier]
         if copy.state is _R.RESIDENT and copy.version == rec.latest:
-            if pin:
-                copy.pin(_owner(owner))
-            self._touch(copy)
-            return _done(None if kind == "write_back" else copy.tensor)
+            if kind == "write_back":
+                return _done(None)
+            return self._use_current(rec, tier, pin, owner, within)
         if rec.op is not None:
             return None   # another operation moves this key: wait for it, then plan again
         # Nearest current copy; on a tie the faster one (a memory copy beats a disk read).
@@ -638,6 +727,19 @@ class TensorStore(TransferRunner):
         op = Transfer(kind, tier, hops, version=rec.latest)
         op.pins_on_done = [_owner(owner)] if pin else []
         return op
+
+    def _use_current(self, rec: KeyRecord, tier: Tier, pin: bool, owner, within: Room | None):
+        """The current ``tier`` copy, pinned for ``owner`` if ``pin``: a done future. A copy of the shared
+        pool pinned ``within`` an open room of that tier moves into the room first (a :class:`_Recharge`
+        for :meth:`_issue` to make room for): whatever a room's party pins, its room holds."""
+        copy = rec.copies[tier]
+        room = pool_of(within)
+        if pin and room is not None and room.tier is tier and tier is not rec.home and pool_of(copy.room) is None:
+            return _Recharge(rec, tier, _owner(owner), room)
+        if pin:
+            copy.pin(_owner(owner))
+        self._touch(copy)
+        return _done(copy.tensor)
 
     def _targets_pinned(self, rec: KeyRecord, hops: list, kind: str, owner=None) -> bool:
         """Whether a copy the hops would overwrite is pinned by another owner (then: wait for it).
@@ -667,44 +769,118 @@ class TensorStore(TransferRunner):
         busy with another operation, wait and plan again.
         """
         waited_from = None
-        with self._cond:
-            try:
-                while True:
-                    if self._closed:
-                        raise StoreError(f"{op_name} {key!r}: the store is closed")
-                    rec = self._keys.get(key)
-                    if rec is None and new_record is None:
-                        raise StoreError(f"{op_name}: unknown key {key!r} (registered: {len(self._keys)} keys)")
-                    # A key being released is waited out: it is gone afterwards (or re-registrable).
-                    result = None if rec is not None and rec.op is not None and rec.op.kind == "release" \
-                        else plan(rec)
-                    if isinstance(result, cf.Future):
-                        return result
-                    if result is not None:
-                        rec = rec or new_record
-                        needs = {t: self._cost(rec, t) for _, t in result.hops
-                                 if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
-                        if self._make_room(needs, key):
-                            break
-                    waited_from = waited_from or time.perf_counter()
-                    self._cond.wait()
-                self._begin(rec, result)
-            finally:
-                if waited_from is not None:
+        try:
+            while True:
+                spills = None
+                with self._cond:
+                    while True:
+                        if self._closed:
+                            raise StoreError(f"{op_name} {key!r}: the store is closed")
+                        rec = self._keys.get(key)
+                        if rec is None and new_record is None:
+                            raise StoreError(f"{op_name}: unknown key {key!r} (registered: {len(self._keys)} keys)")
+                        # A key being released is waited out: it is gone afterwards (or re-registrable).
+                        result = None if rec is not None and rec.op is not None and rec.op.kind == "release" \
+                            else plan(rec)
+                        if isinstance(result, cf.Future):
+                            return result
+                        if isinstance(result, _Recharge):
+                            made = self._make_room({result.tier: rec.copies[result.tier].reserved_bytes}, key,
+                                                   result.room, backing=False)
+                            if made is True:
+                                return result.apply(self._accounts[result.tier], self._touch)
+                            if made:
+                                spills = made
+                                break
+                        elif result is not None:
+                            rec = rec or new_record
+                            needs = {t: self._cost(rec, t) for _, t in result.hops
+                                     if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
+                            made = self._make_room(needs, key, pool_of(result.room))
+                            if made is True:
+                                self._begin(rec, result)
+                                break
+                            if made:
+                                spills = made
+                                break
+                        waited_from = waited_from or time.perf_counter()
+                        self._cond.wait()
+                if spills is None:
+                    self._start(rec, result)
+                    return result.future
+                self._start_spills(spills)
+        finally:
+            if waited_from is not None:
+                with self._cond:
                     self._add_wait(time.perf_counter() - waited_from)
-        self._start(rec, result)
-        return result.future
 
-    def _make_room(self, needs: dict[Tier, int], key: str) -> bool:
-        """Evict what the policy picks so that ``needs`` fits: True; False = wait for ops in flight."""
-        victims = plan_room(self._accounts, self.policy, self._keys, needs, key)
-        if victims is None:
+    def _reserve_room(self, needs: dict[Tier, int], what: str, room: Room | None, take: Callable) -> None:
+        """Make room for ``needs`` (in ``room`` for its tier) as :meth:`_issue` does, then ``take()`` it under
+        the lock (reserve the bytes)."""
+        waited_from = None
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        if self._closed:
+                            raise StoreError(f"{what}: the store is closed")
+                        made = self._make_room(needs, what, room)
+                        if made is True:
+                            take()
+                            return
+                        if made:
+                            break
+                        waited_from = waited_from or time.perf_counter()
+                        self._cond.wait()
+                self._start_spills(made)
+        finally:
+            if waited_from is not None:
+                with self._cond:
+                    self._add_wait(time.perf_counter() - waited_from)
+
+    def _make_room(self, needs: dict[Tier, int], key: str, room: Room | None = None, backing: bool = True):
+        """Under the lock, evict what the policy picks so that ``needs`` fits (in ``room`` for its tier, see
+        :func:`~infinity.store.budget.plan_room`): True. False: wait for ops in flight. Short with nothing to
+        evict or wait for but dirty idle copies: their write-backs are begun here (a spill) and returned as
+        ``[(rec, op), ...]`` for the caller to start outside the lock, then wait as for any op in flight."""
+        try:
+            planned = plan_room(self._accounts, self.policy, self._keys, needs, key, room, backing)
+        except BudgetError as e:
+            begun = []
+            for k in plan_spill(self._keys, e.tier, e.requested_bytes, e.room):
+                rec = self._keys[k]
+                op = self._plan_current(rec, rec.home, "write_back", False)
+                if isinstance(op, Transfer):
+                    self._begin(rec, op)
+                    begun.append((rec, op))
+            if not begun:
+                raise
+            self._spills[e.tier] += len(begun)
+            return begun
+        if planned is None:
             return False
+        victims, backs = planned
         for c in victims:
             self._drop(self._keys[c.key], c.tier, "evict (budget)")
             self._evictions[c.tier] += 1
             self.recent_evictions.append((c.key, c.tier))
+        for r, nbytes in backs.items():
+            self._accounts[r.tier].back(r, max(0, nbytes - r.backed_bytes))
         return True
+
+    def _start_spills(self, begun: list) -> None:
+        """Outside the lock: run the write-backs :meth:`_make_room` began for room and wait for them. One
+        that fails (the disk full, say) fails the request that needed the room, with its cause; the key
+        stays dirty, its bytes kept."""
+        for rec, op in begun:
+            self._start(rec, op)
+        for rec, op in begun:
+            try:
+                op.future.result()
+            except BaseException as e:
+                if hasattr(e, "add_note"):
+                    e.add_note(f"infinity store: writing {rec.key!r} home to make room failed")
+                raise
 
     # ------------------------------------------------------------------ small helpers
 

@@ -41,7 +41,8 @@ class TransferRunner:
             copy = rec.copies[t]
             if copy.state is _R.ABSENT:
                 copy.reserved_bytes = self._cost(rec, t)
-                self._accounts[t].reserve(copy.reserved_bytes)
+                copy.room = op.room if op.room is not None and op.room.tier is t else None
+                self._accounts[t].reserve(copy.reserved_bytes, copy.room)
                 op.new_copies.append(t)
             rec.move(t, _R.FILLING, op.kind)
         first_src = op.hops[0][0]
@@ -207,5 +208,5 @@ class TransferRunner:
         rec.move(tier, _R.ABSENT, op)
         if copy.buffer is not None:
             (self.pool if tier is Tier.HOST else self.device_pool).release(copy.buffer)
-        self._accounts[tier].unreserve(copy.reserved_bytes)
+        self._accounts[tier].unreserve(copy.reserved_bytes, copy.room)
         rec.copies[tier] = CopyRecord()

@@ -196,7 +196,9 @@ class ZeroEngine:
                                                  config.prefetch.bytes) if offload_activations else None
             self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,
                                         self.shard_rank, self.rank, self.hyper, self.tracer, config.optimizer,
-                                        config.schedule.accum_steps)
+                                        config.schedule.accum_steps,
+                                        job_bytes=self.placement.job_host_bytes() if self.store is not None else None,
+                                        beside_bytes=self.placement.beside_update_bytes())
             self.grads = self._build_grads(config)
             # stage 3 gathers each unit just before use; below it the gather verbs are no-ops
             self.gathers = UnitGathers(self.units, self.unit_comm, self.live, self.prefetcher, self.update,
@@ -240,8 +242,7 @@ class ZeroEngine:
             overflow_coll = self.world_coll
         return make_grad_reducer(self.units, self.policy, self.coll, self.unit_comm, self.reduce_dtype, self.device,
                                  config.zero.bucket_bytes, self.shard_rank, fp16=self.loss_scaler is not None,
-                                 room=self.update.with_room, square_sum=square_sum, norm_coll=norm_coll,
-                                 overflow_coll=overflow_coll, fold_at_once=self.update.pins_beside_backward,
+                                 square_sum=square_sum, norm_coll=norm_coll, overflow_coll=overflow_coll,
                                  norm_at_fold=config.schedule.clip_grad_norm is not None,
                                  accum_steps=config.schedule.accum_steps)
 

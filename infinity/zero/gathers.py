@@ -69,7 +69,7 @@ class UnitGathers:
                 else:
                     # one rank: a chunked shard is assembled in the full buffer itself (no copy of it)
                     into = full if self.unit_comm.gathers_in_place else None
-                    src, done = self.update.with_room(lambda: unit.shard.param_for_gather(into))
+                    src, done = unit.shard.param_for_gather(into)
             except BaseException:
                 self.buffers.empty(full.untyped_storage())   # still SHARDED: its buffer must not stay allocated
                 raise

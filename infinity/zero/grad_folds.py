@@ -28,22 +28,14 @@ __all__ = ["FoldedGrads"]
 class FoldedGrads(GradReducer):
     """The per-unit fold reducer (see the module doc), with what only it uses:
 
-    - ``room(attempt)``: runs a store operation that may have to wait for host room (a fold into a
-      stored gradient shard during an overlapped step);
-    - ``fold_at_once()``: True while another party (an overlapped update's pipeline) pins host room beside
-      backward; each fold is then finished at once, so the pins a fold in flight holds (its brought sum,
-      its staging) never sit where that party is waiting for room it cannot see being freed;
     - ``norm_at_fold``: clipping is expected (``schedule.clip_grad_norm`` is set): from the
       ``accum_steps``-th backward since zero_grad on, each fold takes the squared sums of the gradient it
       leaves in the shard while that is in memory, so :meth:`clip` reads no stored gradient back (at
       2.7B with NVMe gradients, 5.4 GB a step); a later fold of the unit takes them again.
     """
 
-    def __init__(self, *args, room=None, fold_at_once=None, norm_at_fold: bool = False, accum_steps: int = 1,
-                 **kwargs):
+    def __init__(self, *args, norm_at_fold: bool = False, accum_steps: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.room = room if room is not None else (lambda attempt: attempt())
-        self._fold_at_once = fold_at_once or (lambda: False)
         # squared sums at the fold only with the plain per-shard sum (tensor parallelism weighs elements)
         self.norm_at_fold = norm_at_fold and self.square_sum is None
         self.accum_steps = accum_steps
@@ -82,9 +74,7 @@ class FoldedGrads(GradReducer):
         unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
         inspect = self._inspector(unit, take_norm)
         self._finish_landed_folds()
-        write = unit.shard.fold_grad(out, first, inspect, room=self.room)
-        if write is not None and self._fold_at_once():
-            write.result()
+        write = unit.shard.fold_grad(out, first, inspect)
         if write is not None:
             self.writes.append(write)
         unit.pending_fold = write

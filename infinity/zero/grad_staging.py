@@ -140,9 +140,7 @@ class FoldStaging:
         """Copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
         ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
-        raises BudgetError at once (the caller folds the blocking way): it never waits for room another
-        party holds, as the caller's brought sum may be pinned meanwhile (see
-        :func:`~infinity.zero.pins.held_by_fold`)."""
+        raises BudgetError (the caller folds the blocking way)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
         buf = self.with_room(lambda: self.store.host_scratch(nbytes))
@@ -158,9 +156,7 @@ class FoldStaging:
             raise
 
         def done() -> None:
-            # the buffer goes back before cleanup unpins the brought sum: a party waiting for that pin
-            # to go (pins.held_by_fold) then finds the staging room free too
-            try:
+            try:   # the buffer goes back first, then cleanup unpins the brought sum
                 self._give_back(buf)
             finally:
                 if cleanup is not None:
@@ -170,13 +166,12 @@ class FoldStaging:
         self._holders.append(fold)
         return fold
 
-    def claim(self, attempt, finish=None, room=None) -> PendingFold:
+    def claim(self, attempt, finish=None) -> PendingFold:
         """A first gradient's fold: ``attempt()`` claims its host copy from the device tensor (a store
-        future, done once landed, or written home too; ``room`` wraps it), ``finish()`` runs after. Ordered: the
+        future, done once landed, or written home too), ``finish()`` runs after. Ordered: the
         claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
-        room = room or (lambda attempt: attempt())
         self._make_way(lambda: self.claims_in_flight >= self.max_claims)
-        claimed = room(lambda: self.with_room(attempt))   # room waits only once no fold is in flight
+        claimed = self.with_room(attempt)
         self.claims_in_flight += 1
         self.peak_claims = max(self.peak_claims, self.claims_in_flight)
 
@@ -199,8 +194,8 @@ class FoldStaging:
         """``attempt()`` (a store call for host room); refused for room (BudgetError) while folds in flight
         hold some (their pinned sums, their staging), the oldest is finished and it is tried again: the
         folds in flight never need more room than one fold done the blocking way. Refused with none in
-        flight, the error stands: a caller that may wait for another party's room (``room(...)``) waits
-        around this call, so it holds no fold's pin while it waits."""
+        flight, the error stands. The folds are this rank's own work: nothing here waits for another
+        party's memory (an overlapped update's copies live in a room of their own)."""
         while True:
             try:
                 return attempt()

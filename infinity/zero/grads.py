@@ -296,16 +296,16 @@ class GradReducer(abc.ABC):
 
 
 def make_grad_reducer(units: list, policy, coll, unit_comm, reduce_dtype: torch.dtype, device, bucket_bytes: int,
-                      shard_rank: int, fp16: bool, room=None, square_sum=None, norm_coll=None, overflow_coll=None,
-                      fold_at_once=None, norm_at_fold: bool = False, accum_steps: int = 1) -> GradReducer:
+                      shard_rank: int, fp16: bool, square_sum=None, norm_coll=None, overflow_coll=None,
+                      norm_at_fold: bool = False, accum_steps: int = 1) -> GradReducer:
     """The reducer the stage policy picks: :class:`~infinity.zero.grad_arena.ArenaGrads` where gradients sum
     into one arena (stages 0-1: ``bucket_bytes``), else :class:`~infinity.zero.grad_folds.FoldedGrads`
-    (``room``, ``fold_at_once``, ``norm_at_fold``, ``accum_steps``: see it)."""
+    (``norm_at_fold``, ``accum_steps``: see it)."""
     from infinity.zero.grad_arena import ArenaGrads   # beside this module; each subclasses GradReducer
     from infinity.zero.grad_folds import FoldedGrads
     common = dict(square_sum=square_sum, norm_coll=norm_coll, overflow_coll=overflow_coll)
     if policy.grads_in_arena:
         return ArenaGrads(units, policy, coll, unit_comm, reduce_dtype, device, shard_rank, fp16,
                           bucket_bytes=bucket_bytes, **common)
-    return FoldedGrads(units, policy, coll, unit_comm, reduce_dtype, device, shard_rank, fp16, room=room,
-                       fold_at_once=fold_at_once, norm_at_fold=norm_at_fold, accum_steps=accum_steps, **common)
+    return FoldedGrads(units, policy, coll, unit_comm, reduce_dtype, device, shard_rank, fp16,
+                       norm_at_fold=norm_at_fold, accum_steps=accum_steps, **common)

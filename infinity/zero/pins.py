@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["PinKind", "PinOwner", "held_by_fold"]
+__all__ = ["PinKind", "PinOwner"]
 
 
 class PinKind(enum.Enum):
@@ -42,12 +42,3 @@ class PinOwner:
     @classmethod
     def activation(cls, seq: int) -> "PinOwner":
         return cls(PinKind.ACTIVATION, seq)
-
-
-def held_by_fold(owner) -> bool:
-    """Whether a pin is a gradient fold's. A fold drops its pins without waiting for an overlapped update's
-    pipeline: it waits for that pipeline's room only with no fold of its rank in flight
-    (:meth:`~infinity.zero.grad_staging.FoldStaging.with_room` finishes them first), and a staging buffer it
-    cannot get at once makes it fold the blocking way. So that pipeline may wait for these pins to go
-    (``AdamPipeline(yields_to=held_by_fold)``)."""
-    return isinstance(owner, PinOwner) and owner.kind is PinKind.FOLD

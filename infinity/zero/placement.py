@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from infinity.config import Config, ConfigError, format_size
 from infinity.optim.moment_codes import moment_format
 from infinity.store import Tier
+from infinity.store.host_pool import ALIGN_BYTES
 from infinity.zero.stage import StagePolicy
 from infinity.zero.units import TensorClass
 
@@ -76,6 +77,9 @@ class Placement:
     # ``optimizer.update_at`` speculative: each stored class Adam writes has a spare copy beside it (same
     # home); a job's NVMe-homed states need no more host room (the copy read is handed to the spare's key)
     spares: bool = False
+    # the update runs while compute does (``optimizer.update_at`` other than step): what runs beside it
+    # needs host room of its own (:meth:`UnitPlacement.beside_update_bytes`)
+    overlapped: bool = False
 
     @classmethod
     def from_config(cls, config: Config) -> "Placement":
@@ -85,7 +89,7 @@ class Placement:
         return cls(params=_tier(off.params), grads=_tier(off.grads), optimizer=_tier(off.optimizer),
                    chunk_bytes=off.chunk_bytes, defer_grad_writes=timing.in_backward,
                    host_resident=off.host_resident_bytes, master_format=config.optimizer.master,
-                   moments_format=config.optimizer.moments, spares=timing.spares)
+                   moments_format=config.optimizer.moments, spares=timing.spares, overlapped=timing.overlapped)
 
     def copies(self, cls: TensorClass) -> int:
         """Stored copies of each element of ``cls``: 2 for a class Adam writes when it has spares, else 1."""
@@ -190,11 +194,14 @@ class UnitPlacement(Placement):
         """
         homed, worst, worst_unit, deferred, _ = self.host_working_set()
         chunk = self.chunk_numel()
-        host = homed + worst
+        beside = self.beside_update_bytes()
+        host = homed + worst + beside
         why = (f"{homed} bytes of host-homed shards" if homed else "no host-homed shards") + \
             (f" + one optimizer job of unit {worst_unit!r} ({worst} bytes of stored states brought to host"
              + ("; its whole gradient shard waits there, the update overlapping backward" if deferred else "")
-             + "; offload.chunk_bytes caps the rest)" if worst_unit is not None else "")
+             + "; offload.chunk_bytes caps the rest)" if worst_unit is not None else "") + \
+            (f" + {beside} bytes beside the overlapped update (a stage-3 gather's or a gradient fold's chunk, "
+             "outside the update's room)" if beside else "")
         device, device_why = 0, "no stored parameters gathered"
         if self.policy.shard_params and self.params is not None:
             # a gather pins one chunk of the shard at a time (the whole shard when it is one chunk)
@@ -228,6 +235,34 @@ class UnitPlacement(Placement):
             if job > worst:
                 worst, worst_unit = job, u.name
         return homed, worst, worst_unit, deferred, chunk_job
+
+    def beside_update_bytes(self) -> int:
+        """Host bytes an overlapped update leaves outside its look-ahead room for what runs meanwhile: the
+        largest chunk a stage-3 gather brings through host memory (NVMe-homed parameters) or a gradient
+        fold lands there (gradients not homed in host memory), in whole host buffers. 0 when the update
+        does not overlap compute."""
+        if not self.overlapped:
+            return 0
+        sizes = self.stored_itemsizes()
+        chunk = self.chunk_numel()
+        classes = [cls for cls in (TensorClass.PARAM, TensorClass.GRAD)
+                   if cls in sizes and self.home(cls) not in (None, Tier.HOST)]
+        return max((-(-int(sizes[cls] * min(u.shard_numel, chunk)) // ALIGN_BYTES) * ALIGN_BYTES
+                    for u in self.units for cls in classes), default=0)
+
+    def job_host_bytes(self) -> int:
+        """The most host bytes one optimizer job brings (what the update's look-ahead room is sized in):
+        one chunk of every stored class not homed in host memory, each key in whole 4096-byte host buffers
+        (:class:`~infinity.store.HostBufferPool`). A speculative job's spare of such a class takes over
+        the copy it reads (:meth:`~infinity.store.TensorStore.hand_over`): no more room."""
+        sizes = self.stored_itemsizes()
+        chunk = self.chunk_numel()
+        largest = 0
+        for u in self.units:
+            numel = min(u.shard_numel, chunk)
+            largest = max(largest, sum(-(-int(itemsize * numel) // ALIGN_BYTES) * ALIGN_BYTES
+                                       for cls, itemsize in sizes.items() if self.home(cls) is not Tier.HOST))
+        return largest
 
     def check_budgets(self, budgets: dict) -> None:
         """Raise ConfigError if a tier's budget (``budgets[tier]``, bytes) is below :meth:`min_budgets`,

@@ -179,9 +179,6 @@ class SpeculativeUpdate(UpdateInBackward, UpdateAtNextForward):
         self._spec = None
         super().abort()
 
-    def pins_beside_backward(self) -> bool:
-        return self.speculating   # next_forward finishes its launched update before a backward
-
     # ------------------------------------------------------------ commit or redo
 
     def _finish_speculation(self, grad_scale: float) -> None:

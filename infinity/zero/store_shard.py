@@ -305,7 +305,7 @@ class StoreUnitShard(UnitShard):
         for key in self._keys.get(TensorClass.PARAM, ()):
             self.store.bring(key, Tier.DEVICE)
 
-    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None, room=None):
+    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
         """Fold a reduced gradient into the stored shard without waiting for it to leave the device
         (:mod:`infinity.zero.grad_staging`): returns what the step must wait for before reading it (a
         store future or a :class:`~infinity.zero.grad_staging.PendingFold`), and ``reduced`` must stay
@@ -326,10 +326,7 @@ class StoreUnitShard(UnitShard):
 
         ``inspect(t, lo)`` (fp16's overflow check, the clip norm's squared sums) sees the folded gradient
         while it is in memory, ``t`` holding its elements from ``lo``: ``reduced`` itself (``lo`` 0) for a
-        first gradient, each chunk's host sum for an accumulation. ``room(attempt)`` wraps each
-        chunk's claim or bring, which may wait for host room and run ``attempt`` again: a retry repeats
-        that one chunk's store call, never a sum already folded."""
-        room = room or (lambda attempt: attempt())
+        first gradient, each chunk's host sum for an accumulation."""
         keys = self._keys.get(TensorClass.GRAD)
         if keys is None:
             return super().fold_grad(reduced, first, inspect)
@@ -337,33 +334,28 @@ class StoreUnitShard(UnitShard):
         if first and inspect is not None:
             inspect(reduced)
         if first and self.placement.home(TensorClass.GRAD) is Tier.HOST:
-            write = room(lambda: self.replace(TensorClass.GRAD, reduced))   # retry-safe: re-registers every chunk
+            write = self.replace(TensorClass.GRAD, reduced)
             self._pending_fold = write
             return write
         self.lent.write_back()
         folds = []
         for c, (key, b) in enumerate(zip(keys, self.bounds if self.chunked else [None])):
             part = reduced if b is None else reduced[b[0]:b[1]]
-            folds.append(self._fold_first(key, part, room) if first else
-                         self._fold_sum(key, c, part, inspect, room))
+            folds.append(self._fold_first(key, part) if first else self._fold_sum(key, c, part, inspect))
         self._pending_fold = all_folds(folds)
         return self._pending_fold
 
-    def _fold_first(self, key: str, part: torch.Tensor, room) -> PendingFold:
+    def _fold_first(self, key: str, part: torch.Tensor) -> PendingFold:
         """The chunk's host copy claimed from ``part`` (its stale bytes never read) and, unless deferred,
         written home by the same store operation as soon as it has landed (so it never sits dirty,
         holding host room no eviction can take, until someone waits for it)."""
         write_home = not self.defers_grad_writes
-        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home),
-                                  room=room)
+        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
 
-    def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect, room) -> PendingFold | None:
+    def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
         owner = PinOwner.fold(self.unit_index, chunk)
-        # room (which may wait for an overlapped update's room) around with_room: no fold's pin is held
-        # while it waits, as that update may be waiting for those pins (pins.held_by_fold)
-        brought = room(lambda: self.staging.with_room(lambda: self.store.bring(key, Tier.HOST, pin=True,
-                                                                                owner=owner)))
+        brought = self.staging.with_room(lambda: self.store.bring(key, Tier.HOST, pin=True, owner=owner))
 
         def finish(staged: torch.Tensor) -> None:
             g = brought.result()

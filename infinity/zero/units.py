@@ -285,11 +285,10 @@ class UnitShard:
     def prefetch_param(self) -> None:
         """Start bringing the parameter shard toward the device (stage-3 prefetch); nothing in memory."""
 
-    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None, room=None):
+    def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
         """Fold a reduce-scattered gradient into the shard: a copy when ``first`` (the shard predates
         zero_grad), else a sum. ``inspect(result)`` sees the folded gradient while it is in memory
-        (fp16's overflow check, the clip norm's squared sums), so nothing is read back for it. ``room(attempt)`` runs each store
-        operation that may have to wait for host room (a stored shard's; None: at once). Returns the
+        (fp16's overflow check, the clip norm's squared sums), so nothing is read back for it. Returns the
         future of a write still in flight, or None."""
         grad = self.get(TensorClass.GRAD)
         if first:

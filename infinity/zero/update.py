@@ -48,7 +48,6 @@ import os
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.pipeline import AdamPipeline, ShardJob
-from infinity.zero.pins import held_by_fold
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.units import TensorClass
 
@@ -66,7 +65,10 @@ class UpdateSchedule:
     """The engine's optimizer update (see the module doc), built with what it needs: the units, the store
     (None: everything in memory), the data-parallel collectives (stages 1-2 gather updated shards),
     the stage policy, the param groups' :class:`~infinity.zero.hyper.GroupHyper`, ``config.optimizer``
-    (``cfg``) and the backwards per step (``accum_steps``). Subclasses say *when* the jobs run."""
+    (``cfg``), the backwards per step (``accum_steps``) and the host bytes of the largest optimizer job
+    (``job_bytes``, :meth:`~infinity.zero.placement.UnitPlacement.job_host_bytes`: what the pipeline's
+    look-ahead room is sized in) and what its room leaves to the rest of the host tier (``beside_bytes``,
+    :meth:`~infinity.zero.placement.UnitPlacement.beside_update_bytes`). Subclasses say *when* the jobs run."""
 
     name = "step"                 # the optimizer.update_at value this schedule implements
     overlaps = False              # some unit's update may run while compute does (reads folds as they land)
@@ -75,15 +77,16 @@ class UpdateSchedule:
     pending = False               # an update step() returned from still runs (drain() waits for it)
 
     def __init__(self, units: list, store, coll, policy, shard_rank: int, rank: int, hyper, tracer, cfg,
-                 accum_steps: int = 1):
+                 accum_steps: int = 1, job_bytes: int | None = None, beside_bytes: int = 0):
         self.units, self.store, self.coll, self.policy = units, store, coll, policy
         self.shard_rank, self.rank, self.hyper, self.accum_steps = shard_rank, rank, hyper, accum_steps
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = cfg.threads if cfg.threads != "auto" else default_adam_threads(local_ranks)
         self.adam = CpuAdamW(threads=threads)
-        # beside an overlapped update the folds pin brought gradient sums briefly and never wait for the
-        # update while they do: its swap-in may wait for them (pins.held_by_fold)
-        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, yields_to=held_by_fold)
+        # the update's host copies live in a room of their own: folds and gathers beside an overlapped
+        # update use the rest of the host tier, and nobody waits for the other's memory
+        self.pipeline = AdamPipeline(store, self.adam, lookahead=_LOOKAHEAD, tracer=tracer, job_bytes=job_bytes,
+                                     leave_bytes=beside_bytes)
         self.split_master = cfg.master == "remainder"   # each job's master is its parameter's int16 remainder
         self.blocked_moments = moment_format(cfg.moments).blocked   # each job's moments are int8 rows of blocks
         self.partial_update = False   # units were updated by a step that did not complete (backward raised)
@@ -171,15 +174,6 @@ class UpdateSchedule:
     def flushing(self):
         """Context for the end-of-backward flush (units made final in it are updated after it)."""
         return contextlib.nullcontext()
-
-    def pins_beside_backward(self) -> bool:
-        """Whether an update may hold host room pinned while backward folds gradients (the reducer then
-        finishes each fold at once: see :class:`~infinity.zero.grad_folds.FoldedGrads`)."""
-        return False
-
-    def with_room(self, attempt):
-        """A store operation on the caller's thread; nothing else pins host copies while it runs here."""
-        return attempt()
 
     # ------------------------------------------------------------ the shared machinery
 

@@ -182,18 +182,6 @@ class UpdateInBackward(UpdateSchedule):
         super().abort()
         self._reset_backward()
 
-    def pins_beside_backward(self) -> bool:
-        """The update may hold host room pinned while backward folds gradients, from the step's first
-        backward on (folds still in flight when the pipeline starts would pin room it cannot wait for)."""
-        return True
-
-    def with_room(self, attempt):
-        """A store operation on the caller's thread: it may wait for host room the running update holds
-        pinned, and it writes home (spills) gradients that wait unwritten in host memory for their update
-        (``Placement.defer_grad_writes``) when only they hold the room: from the step's first backward on,
-        before any update has run (with accumulation the earlier backwards' gradients fill the host tier)."""
-        return self.pipeline.wait_for_room(attempt)
-
     def _step_stats(self, offload: dict) -> None:
         starts = self.last_stats.get("update_start_s", [])
         end = self._backward_end_s

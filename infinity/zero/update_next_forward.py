@@ -144,10 +144,6 @@ class UpdateAtNextForward(UpdateSchedule):
         self._end_launch()
         self._launched_stats = self._drained_stats = None
 
-    def with_room(self, attempt):
-        """A store operation on the caller's thread: it may wait for host room the launched update holds."""
-        return self.pipeline.wait_for_room(attempt)
-
     def _step_stats(self, offload: dict) -> None:
         offload.update(overlapped=True, update_at=self.name)
         offload.setdefault("submitted_in_backward", 0)

@@ -256,67 +256,43 @@ def test_a_split_master_job_is_bitwise_the_fp32_master_job(tmp_path, param_home)
         pipe.close()
 
 
-def _fold_pinned_beside(store, seconds: float):
-    """An extra key pinned in host memory by a fold owner, unpinned from another thread after ``seconds``."""
-    owner = ("fold", 0, 0)
-    store.wait(store.register("x.grad", (NUMEL,), dtype=torch.float32, home="nvme"))
-    store.wait(store.bring("x.grad", Tier.HOST, pin=True, owner=owner))
-    unpinned = {}
-
-    def later():
-        time.sleep(seconds)
-        unpinned["at"] = time.perf_counter()
-        store.unpin("x.grad", Tier.HOST, owner)
-    thread = threading.Thread(target=later)
-    thread.start()
-    return thread, unpinned
+JOB_BYTES = 4 * NUMEL * 4   # one shard's master, moments and gradient, fp32
 
 
-def test_the_swap_in_waits_out_the_pins_of_owners_it_yields_to(tmp_path):
-    """Room held by another owner's pin: with ``yields_to`` naming that owner the swap-in waits for the
-    unpin (from another thread) and the step is the same as with the room free; without, the step is
-    refused for room at once (BudgetError naming the tier), as that pin could be one that never goes."""
-    budget = 4 * NUMEL * 4 + NUMEL * 2   # one shard's four fp32 tensors, and half of one more
+def test_the_look_ahead_lives_in_a_room_set_aside_when_the_step_starts(tmp_path):
+    """Another party pins host memory for the whole step: the pipeline's room is what the tier can free
+    beside it (one job here), its jobs run one at a time inside it, and the result is bitwise the one with
+    the tier to itself. While the step runs nobody else can take the room; when it ends, the room's bytes
+    go back to the tier. A tier that cannot free one job is refused at start, naming the room."""
     results = {}
-    for yields in (True, False, None):
-        with _store(tmp_path / str(yields), budget) as store:
-            _, jobs = _make(store, 2, "nvme", False)
-            _set_grads(store, 2, 0)
-            pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1,
-                                yields_to=(lambda o: o == ("fold", 0, 0)) if yields else None)
-            thread = unpinned = None
-            if yields is not None:
-                thread, unpinned = _fold_pinned_beside(store, 0.3)
-            try:
-                if yields is False:
-                    with pytest.raises(BudgetError, match="host tier"):
-                        pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
-                    continue
-                pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
-                if yields:
-                    assert pipe.last_stats["update_start_s"][0] > unpinned["at"], "the update began before the unpin"
-                results[yields] = [store.wait(store.bring(f"u{i}.master", Tier.HOST)).clone() for i in range(2)]
-            finally:
-                if thread is not None:
-                    thread.join()
-    for a, b in zip(results[True], results[None]):
+    for crowded in (False, True):
+        budget = JOB_BYTES + NUMEL * 4 if crowded else 8 * JOB_BYTES
+        with _store(tmp_path / str(crowded), budget) as store:
+            _, jobs = _make(store, 3, "nvme", False)
+            _set_grads(store, 3, 0)
+            store.wait(store.register("x", (NUMEL,), dtype=torch.float32, home="nvme"))
+            store.wait(store.bring("x", Tier.HOST, pin=True, owner="other"))
+            pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=2, job_bytes=JOB_BYTES)
+            evicted = store.stats()["evictions"]["host"]
+            pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
+            assert store.stats()["set_aside_bytes"]["host"] == 0
+            if crowded:   # a room of one job beside the pin: each job's copies made way for the next one's
+                assert store.stats()["evictions"]["host"] - evicted >= 2 * 4
+            results[crowded] = [store.wait(store.bring(f"u{i}.master", Tier.HOST)).clone() for i in range(3)]
+            store.unpin("x", Tier.HOST, "other")
+            pipe.close()
+    for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
-
-
-def test_wait_for_pins_returns_once_the_picked_owners_unpin(tmp_path):
-    with _store(tmp_path, 4096 * 1024) as store:
-        assert store.wait_for_pins(Tier.HOST, lambda o: True) is False   # nothing pinned: no wait
-        thread, unpinned = _fold_pinned_beside(store, 0.2)
-        store.wait(store.bring("x.grad", Tier.HOST, pin=True, owner="other"))
-        assert store.wait_for_pins(Tier.HOST, lambda o: o == "nobody") is False
-        t0, booked = time.perf_counter(), store.thread_wait_s()
-        assert store.wait_for_pins(Tier.HOST, lambda o: o[0] == "fold") is True
-        assert "at" in unpinned and time.perf_counter() - t0 >= 0.15
-        assert store.thread_wait_s() - booked >= 0.15   # counted as this thread's wait on the store
-        # "other" still holds its pin; a stopped wait returns without it going
-        assert store.wait_for_pins(Tier.HOST, lambda o: o == "other", stopped=lambda: True) is True
-        thread.join()
-        store.unpin("x.grad", Tier.HOST, "other")
+    with _store(tmp_path / "full", JOB_BYTES) as store:
+        _, jobs = _make(store, 1, "nvme", False)
+        store.wait(store.register("x", (NUMEL,), dtype=torch.float32, home="nvme"))
+        store.wait(store.bring("x", Tier.HOST, pin=True, owner="other"))
+        pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1, job_bytes=JOB_BYTES)
+        with pytest.raises(BudgetError, match="look-ahead"):
+            pipe.run(jobs, lambda gi: dict(HYPER[gi], step=1))
+        assert not pipe.running and store.stats()["set_aside_bytes"]["host"] == 0
+        store.unpin("x", Tier.HOST, "other")
+        pipe.close()
 
 
 def test_an_updated_job_holds_none_of_its_tensors_while_the_step_runs_on():

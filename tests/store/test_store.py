@@ -478,15 +478,16 @@ def test_pinned_and_dirty_copies_are_not_evicted(tmp_path):
         assert s.is_dirty("a")
         s.bring("c", Tier.DEVICE).result()             # b is unpinned and clean now: it goes, not a
         assert s.residency("b")[Tier.DEVICE] is R.ABSENT and s.residency("a")[Tier.DEVICE] is R.RESIDENT
-        with pytest.raises(BudgetError, match="only newest data"):
-            with s.use("c", Tier.DEVICE, dirty=True) as c:
-                c.zero_()
-            s.bring("b", Tier.DEVICE)                   # a and c both dirty: nothing can be dropped
-        s.write_back("a").result()
+        with s.use("c", Tier.DEVICE, dirty=True) as c:
+            c.zero_()
+        # a and c both dirty, nothing clean to drop: the store writes the newest (c) home, then drops it
         s.bring("b", Tier.DEVICE).result()
-        assert s.residency("a")[Tier.DEVICE] is R.ABSENT
-        s.evict("c", Tier.DEVICE).result()
+        assert s.stats()["spills"]["device"] == 1
+        assert s.residency("c")[Tier.DEVICE] is R.ABSENT and not s.is_dirty("c")
+        assert s.is_dirty("a") and s.residency("a")[Tier.DEVICE] is R.RESIDENT
+        s.write_back("a").result()
         s.evict("c", Tier.HOST).result()
+        s.evict("a", Tier.DEVICE).result()
         s.evict("a", Tier.HOST).result()
         assert torch.equal(s.bring("a", Tier.HOST).result(), torch.full((KiB,), 98.0))
         assert torch.equal(s.bring("c", Tier.HOST).result(), torch.zeros(KiB))
@@ -494,9 +495,72 @@ def test_pinned_and_dirty_copies_are_not_evicted(tmp_path):
         s.close()
 
 
-def test_spill_writes_home_the_newest_dirty_copies_so_a_refused_request_fits(tmp_path):
-    """Host full of dirty copies: a bring is refused; spill writes home the most recently used unpinned
-    ones (at least the bytes asked), after which the bring fits by evicting them, and nothing is lost."""
+def test_a_room_is_set_aside_and_only_its_party_uses_it(tmp_path):
+    """open_room sizes: ``want`` when there is that much, else what the tier can free less ``leave``, at
+    least ``least`` (refused, naming the room, when the tier cannot give that beside the other rooms).
+    What was free at open (less ``leave``) is set aside at once; the rest is taken as needed. Copies
+    brought and pinned within the room are charged to it, up to its size; a shared copy pinned within it
+    moves in; a copy whose last pin goes returns to the shared pool; scratch can be charged to it. Closed,
+    its set-aside bytes return to the tier."""
+    B = 4 * KiB
+    s = make(tmp_path, host_bytes=8 * B)
+    try:
+        for k in "abcdefgh":
+            s.register(k, torch.full((KiB,), float(ord(k)))).result()   # NVMe homes; host copies cached clean
+        s.wait(s.bring("a", Tier.HOST, pin=True, owner="other"))
+        for k in "gh":
+            s.evict(k, Tier.HOST).result()
+        big = s.open_room(Tier.HOST, "big", want=None, leave=3 * B)   # 7 B beside a's pin, 2 B free
+        assert big.size_bytes == 4 * B and s.stats()["set_aside_bytes"]["host"] == 0   # the free 2 B left to others
+        s.close_room(big)
+        big = s.open_room(Tier.HOST, "big", want=None, leave=1 * B)
+        assert big.size_bytes == 6 * B and s.stats()["set_aside_bytes"]["host"] == B   # free 2 B less 1 B left
+        s.close_room(big)
+        big = s.open_room(Tier.HOST, "big", want=4 * B)
+        with pytest.raises(BudgetError, match="room 'more' needs at least"):
+            s.open_room(Tier.HOST, "more", least=4 * B)                      # 3 B left beside the room and a
+        s.close_room(big)
+        assert s.stats()["set_aside_bytes"]["host"] == 0
+        for k in "gh":
+            s.wait(s.bring(k, Tier.HOST))
+        room = s.open_room(Tier.HOST, "update", want=2 * B)
+        assert room.size_bytes == 2 * B and s.stats()["set_aside_bytes"]["host"] == 0   # nothing free yet
+        for k in "bc":
+            s.evict(k, Tier.HOST).result()
+        s.wait(s.bring("b", Tier.HOST, pin=True, owner="u", within=room))   # backed by the free bytes
+        s.wait(s.bring("c", Tier.HOST, pin=True, owner="u", within=room))
+        assert room.used_bytes == 2 * B and s.stats()["set_aside_bytes"]["host"] == 0
+        with pytest.raises(BudgetError, match="room 'update' holds"):      # its size: nothing of its own to drop
+            s.bring("d", Tier.HOST, pin=True, owner="u", within=room)
+        s.unpin("b", Tier.HOST, "u")                                         # let go: b is the shared pool's
+        assert room.used_bytes == B
+        s.wait(s.bring("d", Tier.HOST, pin=True, owner="u", within=room))   # a shared copy pinned within moves in
+        assert room.used_bytes == 2 * B and s.residency("d")[Tier.HOST] is R.RESIDENT
+        s.evict("b", Tier.HOST).result()                                     # the shared pool's to drop
+        with pytest.raises(BudgetError, match="room 'update'"):
+            s.host_scratch(100, within=room)
+        s.unpin("c", Tier.HOST, "u")
+        buf = s.host_scratch(100, within=room)                               # c's bytes left the room: room for it
+        assert room.used_bytes == 2 * B
+        s.release_scratch(buf)
+        assert room.used_bytes == B and s.stats()["set_aside_bytes"]["host"] == 0   # no floor: bytes go back
+        s.close_room(room)
+        assert s.stats()["set_aside_bytes"]["host"] == 0
+        s.unpin("d", Tier.HOST, "u")
+        s.unpin("a", Tier.HOST, "other")
+        for k in "bcd":
+            s.wait(s.bring(k, Tier.HOST))
+        assert s.stats()["tier_bytes"]["host"] <= 8 * B
+        for k in "abcdefgh":
+            assert torch.equal(s.wait(s.bring(k, Tier.HOST)), torch.full((KiB,), float(ord(k))))
+    finally:
+        s.close()
+
+
+def test_short_of_room_the_store_writes_home_the_newest_dirty_copies(tmp_path):
+    """Host full of dirty copies: a bring writes home the most recently used unpinned ones (as many bytes
+    as it needs), waits for them, then fits by dropping them; a pinned one is never written for room;
+    nothing is lost."""
     s = make(tmp_path, host_bytes=4 * 4 * KiB)
     try:
         for k in "abcde":
@@ -505,30 +569,28 @@ def test_spill_writes_home_the_newest_dirty_copies_so_a_refused_request_fits(tmp
             with s.use(k, Tier.HOST, dirty=True) as t:
                 t.add_(1)
         s.pin("a", Tier.HOST)
-        with pytest.raises(BudgetError, match="only newest data") as e:
-            s.bring("e", Tier.HOST)
-        assert s.spill(Tier.DEVICE, 1) == []                          # nothing dirty there
-        futures = s.spill(Tier.HOST, e.value.requested_bytes)
-        assert len(futures) == 1
-        for f in futures:
-            s.wait(f)
-        assert not s.is_dirty("d") and s.is_dirty("b") and s.is_dirty("c")   # the newest went, only as much as asked
-        assert s.stats()["spills"]["host"] == 1
         s.wait(s.bring("e", Tier.HOST))
+        assert s.stats()["spills"] == {"device": 0, "host": 1}
+        assert not s.is_dirty("d") and s.is_dirty("b") and s.is_dirty("c")   # the newest went, only as much as asked
         assert s.residency("d")[Tier.HOST] is R.ABSENT                 # the spilled copy gave its room
-        futures = s.spill(Tier.HOST, 10 * 4 * KiB)                     # more than there is: every unpinned one
-        assert len(futures) == 2 and s.spill(Tier.HOST, 1) == []        # a is pinned, e is clean
-        for f in futures:
-            s.wait(f)
-        assert s.is_dirty("a") and not s.is_dirty("b") and not s.is_dirty("c")
-        s.unpin("a", Tier.HOST)
+        with s.use("e", Tier.HOST, dirty=True) as t:
+            t.add_(1)
+        s.wait(s.bring("d", Tier.HOST))                                # e, then c: the most recent first
+        assert not s.is_dirty("e") and s.is_dirty("b") and s.is_dirty("c") and s.is_dirty("a")
+        s.pin("b", Tier.HOST)
+        s.pin("c", Tier.HOST)
+        s.pin("d", Tier.HOST)
+        with pytest.raises(BudgetError, match="pinned"):               # only pinned copies left: refused
+            s.bring("e", Tier.HOST)
         for k in "abcd":
+            s.unpin(k, Tier.HOST)
+        for k in "abcde":
             s.evict(k, Tier.HOST).result()
-            assert torch.equal(s.wait(s.bring(k, Tier.HOST)), torch.full((KiB,), float(ord(k) + 1)))
+            want = float(ord(k) + 1)
+            assert torch.equal(s.wait(s.bring(k, Tier.HOST)), torch.full((KiB,), want))
             s.evict(k, Tier.HOST).result()
     finally:
         s.close()
-
 
 def test_budget_smaller_than_one_tensor_is_a_clear_error(tmp_path):
     s = make(tmp_path, device_bytes=1000, host_bytes=64 * KiB)

@@ -25,7 +25,8 @@ from infinity.config import ConfigError
 from zero_cases import VOCAB, Out, global_batch, param_groups
 
 SMALL = dict(host_bytes=192 * 1024, device_bytes=64 * 1024, prefetch_bytes=20 * 1024)  # see test_offload_equivalence
-SMALL_GRADS_ON_HOST = dict(SMALL, host_bytes=(192 + 124) * 1024)
+# gradients on the host tier; + 16 KiB: the overlapped update's room leaves a chunk to the gathers beside it
+SMALL_GRADS_ON_HOST = dict(SMALL, host_bytes=(192 + 124 + 16) * 1024)
 PLACEMENTS = [
     ("s3-params-opt-nvme", dict(stage=3, offload=dict(optimizer="nvme", params="nvme", grads="host"),
                                 **SMALL_GRADS_ON_HOST)),
@@ -319,47 +320,37 @@ def _pipeline_store(tmp_path, host_bytes, n=1, numel=4096):
 HYPER = dict(step=1, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def test_caller_waits_for_host_room_the_running_update_holds(tmp_path):
-    """A store operation beside a running step that finds host room pinned by the update waits for
-    the update to release it (instead of failing), and succeeds, the wait booked as the caller's wait
-    on the store (the step attributes it as I/O waited on); without a running step it fails."""
+def test_a_caller_beside_the_running_update_never_waits_for_its_room(tmp_path):
+    """The update's copies live in the room it set aside when it started: a store operation beside it
+    (a fold, a gather) fits in the rest of the tier at once, while the update is stopped mid-job with its
+    states pinned, and waits for nothing; the room goes back to the tier when the step ends."""
     from infinity.optim.cpu_adam import CpuAdamW
     from infinity.optim.pipeline import AdamPipeline
-    from infinity.store import BudgetError, Tier
-    # one job pins its four 16 KiB states: 64 KiB; the extra 16 KiB key does not fit beside them
-    store, jobs = _pipeline_store(tmp_path, host_bytes=72 * 1024)
-    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1)
-    reached, gate, tries = threading.Event(), threading.Event(), []
+    from infinity.store import Tier
+    # one job pins its four 16 KiB states: 64 KiB; the extra 16 KiB key is what runs beside it
+    store, jobs = _pipeline_store(tmp_path, host_bytes=80 * 1024)
+    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1, job_bytes=64 * 1024, leave_bytes=16 * 1024)
+    reached, gate = threading.Event(), threading.Event()
 
     def hyper(gi):
         reached.set()            # the compute thread is mid-update: the job's states are pinned
         assert gate.wait(30), "the caller never let the update go on"
         return HYPER
 
-    def attempt():
-        tries.append(1)
-        try:
-            return store.bring("extra", Tier.HOST, pin=True)
-        finally:   # released only after a first attempt has run into the pinned room, 0.2 s later
-            if len(tries) == 1:
-                threading.Timer(0.2, gate.set).start()
-
     with store:
         pipe.start(hyper)
-        pipe.submit(jobs[0])
-        assert reached.wait(30)
-        before = store.thread_wait_s()
-        store.wait(pipe.wait_for_room(attempt))
+        try:
+            assert pipe._room.size_bytes == 64 * 1024   # 80 KiB less the 16 KiB left beside it
+            pipe.submit(jobs[0])
+            assert reached.wait(30)
+            before = store.thread_wait_s()
+            store.wait(store.bring("extra", Tier.HOST, pin=True))
+            assert store.thread_wait_s() - before < 0.1, "the caller waited for the update's room"
+        finally:
+            gate.set()
         stats = pipe.finish()
-        assert len(tries) >= 2, "the first attempt should have found the room pinned"
-        assert store.thread_wait_s() - before >= 0.15, "the wait for room was not booked as a wait on the store"
-        assert stats["shards"] == 1 and len(stats["update_start_s"]) == 1
+        assert stats["shards"] == 1 and store.stats()["set_aside_bytes"]["host"] == 0
         store.unpin("extra", Tier.HOST)
-        store.wait(store.evict("extra", Tier.HOST))
-        for name in ("master", "exp_avg", "exp_avg_sq", "grad"):   # the room pinned as the update had it
-            store.wait(store.bring(f"u0.{name}", Tier.HOST, pin=True))
-        with pytest.raises(BudgetError):   # but no step running: nothing to wait for
-            pipe.wait_for_room(lambda: store.bring("extra", Tier.HOST, pin=True))
 
 
 def test_abort_stops_the_threads_and_unpins(tmp_path):
@@ -422,23 +413,19 @@ def test_gradients_never_touch_the_disk_when_the_update_overlaps_backward(tmp_pa
 
 
 def test_a_failed_update_while_the_swap_in_waits_for_room_ends_the_step(tmp_path):
-    """The compute thread raises while the swap-in thread waits for host room that only the compute
+    """The compute thread raises while the swap-in thread waits for look-ahead room that only the compute
     thread would free: the swap-in gives up too, and finish() raises the error instead of hanging."""
     from infinity.optim.cpu_adam import CpuAdamW
     from infinity.optim.pipeline import AdamPipeline
     store, jobs = _pipeline_store(tmp_path, host_bytes=72 * 1024, n=3)   # one job's states fit, not two
     pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=2)
+    started = threading.Event()
 
     def hyper(gi):
+        started.set()
+        _wait_until(lambda: pipe._issued == 1 and pipe._room_left < 64 * 1024)   # job 1 waits for room
+        time.sleep(0.05)
         raise RuntimeError("injected failure in the update")
-
-    real_bring = store.bring
-
-    def late_bring(key, tier, pin=False):
-        if key.startswith("u1."):   # job 1's swap-in runs into the full host tier only once finish() joins
-            _wait_until(lambda: not pipe.running)
-        return real_bring(key, tier, pin=pin)
-    store.bring = late_bring
 
     errors = []
 
@@ -455,50 +442,8 @@ def test_a_failed_update_while_the_swap_in_waits_for_room_ends_the_step(tmp_path
         t = threading.Thread(target=finish, daemon=True)
         t.start()
         t.join(60)
-        assert not t.is_alive(), "finish() hung: the swap-in thread kept retrying for room after the failure"
+        assert started.is_set()
+        assert not t.is_alive(), "finish() hung: the swap-in thread kept waiting for room after the failure"
         assert errors == ["injected failure in the update"], errors
         assert [t.name for t in threading.enumerate() if t.name in _THREADS] == []
-
-
-def test_room_taken_by_the_update_between_the_check_and_the_spill_is_waited_for(tmp_path):
-    """The race the full suite once hit (a speculative step at its minimum budget): a fold refused host room
-    found nothing pinned by the update (so it did not wait), but before its spill the update pinned the one
-    dirty copy the spill would have written, and the spill found nothing: the caller failed though the
-    update would release that room. It now checks again, waits for the release, and succeeds."""
-    from infinity.optim.cpu_adam import CpuAdamW
-    from infinity.optim.pipeline import AdamPipeline
-    from infinity.store import BudgetError, Tier
-
-    store, _ = _pipeline_store(tmp_path, host_bytes=1 << 20)
-    pipe = AdamPipeline(store, CpuAdamW(threads=1), lookahead=1)
-    held, tries, spills = [], [], []
-
-    def attempt():
-        tries.append(1)
-        if len(tries) == 1:
-            raise BudgetError(Tier.HOST, 1 << 20, 1 << 20, 4096, "test: full")
-        return "room"
-
-    def spill(tier, nbytes):   # the update pins the dirty copy first; it releases it 0.1 s later
-        spills.append(1)
-        with pipe._progress:
-            held.append("u0.grad")
-
-        def release():
-            with pipe._progress:
-                held.clear()
-                pipe._released += 1
-                pipe._progress.notify_all()
-        threading.Timer(0.1, release).start()
-        return []
-
-    def full():
-        raise BudgetError(Tier.HOST, 1 << 20, 1 << 20, 4096, "test: full")
-
-    with store:
-        store.spill = spill
-        assert pipe._retry_for_room(attempt, lambda: bool(held)) == "room"
-        assert len(tries) == 2 and len(spills) == 1
-        store.spill = lambda tier, nbytes: []   # with nothing changing hands the error stands
-        with pytest.raises(BudgetError, match="test: full"):
-            pipe._retry_for_room(full, lambda: False)
+        assert store.stats()["set_aside_bytes"]["host"] == 0
