@@ -142,7 +142,7 @@ class UnitGathers:
     def gather_ahead(self, unit) -> None:
         """Prefetch: start ``unit``'s all-gather now if it is sharded and fits under the cap (nothing is
         released for it)."""
-        if unit.state is UnitState.SHARDED and self.live.fits(unit) and not self.update.updating(unit.index):
+        if unit.state is UnitState.SHARDED and self.live.fits(unit) and not self.update.updating(unit):
             self.live.set_use(unit, UnitUse.AHEAD)
             self.gather(unit, wait=False)
 
@@ -166,7 +166,7 @@ class UnitGathers:
         fetch = self.prefetcher.on_use(unit.index)
         self.acquire(unit)
         for index in fetch:
-            if self.update.updating(index):
+            if self.update.updating(self.units[index]):
                 continue   # Adam is writing its shard (a trace from another step's order): no use this step
             if self.unit_comm.has_secondary(index):
                 continue   # hpZ: its backward gathers from the secondary shards, the stored one is not read

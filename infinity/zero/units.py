@@ -23,11 +23,13 @@ with the in-flight all-gather) and why the step wants them (:class:`UnitUse`),
 both checked on every change; the gradients still to arrive in this backward,
 which slots were written since ``zero_grad``, whether its gradient shard still
 holds values from before ``zero_grad``, its last fold's pending write, the
-bytes of activations its forward moved out (``zero.activation_offload``), and
-whether the running optimizer step has updated it. The gathers, the gradient
-reducer and the activation offload read and set these; what is still kept
-apart is the cap's release order (:class:`~infinity.zero.live_units.LiveUnits`)
-and the update schedules' sets of units submitted or launched.
+bytes of activations its forward moved out (``zero.activation_offload``),
+whether the running optimizer step has updated it, and whether an update of
+its shard runs that its next use must wait for or refuse (:class:`UpdateMark`,
+checked too; a launched update's mark carries the jobs to wait for). The
+gathers, the gradient reducer, the activation offload and the update schedules
+read and set these; what is still kept apart is the cap's release order
+(:class:`~infinity.zero.live_units.LiveUnits`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch.nn as nn
 from infinity.transitions import Transitions
 
 __all__ = [
-    "DIRECT_IO_ALIGN_BYTES", "UnitState", "UnitUse", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
+    "DIRECT_IO_ALIGN_BYTES", "UnitState", "UnitUse", "UpdateMark", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
     "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure", "memory_bytes",
 ]
 
@@ -81,6 +83,23 @@ _USES = Transitions("unit use", {
     UnitUse.AHEAD: {UnitUse.IN_USE, UnitUse.IDLE},
     UnitUse.IN_USE: {UnitUse.KEPT, UnitUse.IDLE},
     UnitUse.KEPT: {UnitUse.IN_USE, UnitUse.IDLE},
+})
+
+
+class UpdateMark(enum.Enum):
+    """Whether an update of the unit's shard runs that its next gather must not read past; nothing prefetches
+    a marked unit (the update schedules set and clear the mark: :mod:`infinity.zero.update`)."""
+
+    NONE = "none"            # no update of its shard runs unwaited for
+    BEGUN = "begun"          # begun in the step's last backward (update_at backward, speculative): a gather
+                             # is refused until the step ends
+    LAUNCHED = "launched"    # launched by optimizer.step() (update_at next_forward): its next use waits for it
+
+
+_MARKS = Transitions("unit update mark", {
+    UpdateMark.NONE: {UpdateMark.BEGUN, UpdateMark.LAUNCHED},
+    UpdateMark.BEGUN: {UpdateMark.NONE},       # the step ended, or was aborted or dropped
+    UpdateMark.LAUNCHED: {UpdateMark.NONE},    # waited for before its use, drained, or aborted
 })
 
 
@@ -160,10 +179,21 @@ class FlatUnit:
         self.offloaded_bytes = 0            # activations its last training forward moved out of the device
         self.updated = False                # the running optimizer step has updated this unit's shard
         self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
+        self.update_mark = UpdateMark.NONE  # an update of its shard runs, not yet waited for (set_update_mark)
+        self.launched_jobs: tuple = ()      # LAUNCHED: the names of the update's jobs its next use waits for
 
     def clear_update(self) -> None:
-        """A new optimizer step: nothing of this unit's shard is updated yet."""
+        """A new optimizer step: nothing of this unit's shard is updated yet. The update mark is the
+        schedule's to clear (a launched update is waited for after its step has ended)."""
         self.updated, self.chunks_updated = False, 0
+
+    def set_update_mark(self, new: UpdateMark, launched_jobs=()) -> None:
+        """Mark an update of this unit's shard begun or launched (``launched_jobs``: the names of its jobs),
+        or waited for (``NONE``): a checked transition; marking it as it is already marked changes nothing
+        but the jobs."""
+        if new is not self.update_mark:
+            self.update_mark = _MARKS.check(self.update_mark, new, f"unit {self.name}", what="update mark transition")
+        self.launched_jobs = tuple(launched_jobs)
 
     def start_backward_pass(self) -> None:
         """A new backward pass: every parameter's gradient is still to come."""

@@ -49,7 +49,7 @@ from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.pipeline import AdamPipeline, ShardJob
 from infinity.zero.grads import MAX_INFLIGHT
-from infinity.zero.units import TensorClass
+from infinity.zero.units import TensorClass, UpdateMark
 
 __all__ = ["UpdateSchedule", "UpdateAtStep"]
 
@@ -167,9 +167,10 @@ class UpdateSchedule:
     def check_clip(self) -> None:
         """``clip_grad_norm_()`` is about to scale the gradients: refused where an update already read them."""
 
-    def updating(self, index: int) -> bool:
-        """Whether unit ``index``'s update has begun and not been waited for (not to be gathered or prefetched)."""
-        return False
+    def updating(self, unit) -> bool:
+        """Whether ``unit``'s update has begun and not been waited for (not to be gathered or prefetched):
+        its :class:`~infinity.zero.units.UpdateMark` says (never set here)."""
+        return unit.update_mark is not UpdateMark.NONE
 
     def flushing(self):
         """Context for the end-of-backward flush (units made final in it are updated after it)."""
@@ -194,6 +195,13 @@ class UpdateSchedule:
                 for job in self.jobs(unit, grad_scale):
                     self.pipeline.submit(job)
         self.last_stats = self.pipeline.finish()
+
+    def _clear_marks(self, mark: UpdateMark) -> bool:
+        """Every unit marked ``mark`` is unmarked (its update waited for, or dropped); True if any was."""
+        marked = [u for u in self.units if u.update_mark is mark]
+        for unit in marked:
+            unit.set_update_mark(UpdateMark.NONE)
+        return bool(marked)
 
     def _mark_updated(self) -> None:
         """Each unit whose every chunk the pipeline updated since it started is marked updated."""

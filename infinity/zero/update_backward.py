@@ -37,6 +37,7 @@ import enum
 import time
 
 from infinity.transitions import Transitions
+from infinity.zero.units import UpdateMark
 from infinity.zero.update import UpdateSchedule
 
 __all__ = ["BackwardPhase", "UpdateInBackward", "SECOND_BACKWARD"]
@@ -72,7 +73,6 @@ class UpdateInBackward(UpdateSchedule):
         self._backwards = 0                # backwards since the last step (or zero_grad)
         self._last_backward = False        # the running backward is the step's last: it updates
         self._deferred: list = []          # units final now, submitted at the end of backward
-        self._submitted: set = set()       # unit indices whose update this step has begun
         self._flushing = False             # the end-of-backward flush runs
         self._backward_end_s: float | None = None
         self._submitted_in_backward = 0
@@ -129,7 +129,7 @@ class UpdateInBackward(UpdateSchedule):
             if self.phase is BackwardPhase.IDLE:   # the step's first unit: the pipeline starts
                 self._start_step(grad_scale)
                 self._go(BackwardPhase.UPDATING)
-            self._submitted.add(unit.index)
+            unit.set_update_mark(UpdateMark.BEGUN)   # not gathered until the step ends
             for job in self._unit_jobs(unit, grad_scale):
                 self.pipeline.submit(job)
 
@@ -143,12 +143,9 @@ class UpdateInBackward(UpdateSchedule):
         """A unit whose update runs must not be gathered (it would read a shard Adam is writing): that
         is a forward (or ``gathered()``) before optimizer.step()."""
         super().check_gather(unit)
-        if unit.index in self._submitted:
+        if unit.update_mark is UpdateMark.BEGUN:
             raise RuntimeError(f"forward/backward on rank {self.rank} gathers unit {unit.name!r} before "
                                f"optimizer.step(), while its update runs: {SECOND_BACKWARD}")
-
-    def updating(self, index: int) -> bool:
-        return index in self._submitted or super().updating(index)
 
     def check_clip(self) -> None:
         if self.phase is not BackwardPhase.IDLE:
@@ -166,8 +163,8 @@ class UpdateInBackward(UpdateSchedule):
 
     def _reset_backward(self) -> bool:
         """Forget the step's backwards and submissions; True if some unit's update had begun."""
-        began = bool(self._submitted)
-        self._deferred, self._submitted = [], set()
+        began = self._clear_marks(UpdateMark.BEGUN)
+        self._deferred = []
         self._backward_end_s, self._submitted_in_backward = None, 0
         self._backwards, self._last_backward = 0, False
         if self.phase is not BackwardPhase.IDLE:
@@ -192,5 +189,5 @@ class UpdateInBackward(UpdateSchedule):
             self._go(BackwardPhase.IDLE)
         self._backward_end_s, self._submitted_in_backward = None, 0
         self._backwards, self._last_backward = 0, False
-        self._submitted = set()
+        self._clear_marks(UpdateMark.BEGUN)
         super()._step_stats(offload)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 
+from infinity.zero.units import UpdateMark
 from infinity.zero.update import UpdateSchedule
 
 __all__ = ["UpdateAtNextForward"]
@@ -32,8 +33,6 @@ class UpdateAtNextForward(UpdateSchedule):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.pending = False            # a launched update runs: some unit not yet waited for, or its tail
-        self._waiting: set = set()      # unit indices launched and not yet waited for
-        self._launched_jobs: dict = {}  # unit index -> the job names step() launched for it
         self._forward_wait_s = 0.0      # how long the callers waited for the launched update
         self._launched_stats: dict | None = None   # the launched step's offload stats, completed when drained
         self._drained_stats: dict | None = None    # ... and those times once complete, for the next end_step
@@ -63,13 +62,12 @@ class UpdateAtNextForward(UpdateSchedule):
         """Start every unit not yet updated, in forward order (the root, then the units); returns at once."""
         order = sorted((u for u in self.units if not u.updated), key=lambda u: (not u.is_root, u.index))
         self._begin()
-        self.pending, self._waiting = True, {u.index for u in order}
+        self.pending = True
         self._forward_wait_s = 0.0
-        self._launched_jobs = {}
         try:
             for unit in order:
                 jobs = self.jobs(unit, grad_scale)
-                self._launched_jobs[unit.index] = [job.name for job in jobs]
+                unit.set_update_mark(UpdateMark.LAUNCHED, [job.name for job in jobs])   # before_use waits
                 for job in jobs:
                     self.pipeline.submit(job)
         except BaseException:
@@ -80,19 +78,19 @@ class UpdateAtNextForward(UpdateSchedule):
     def before_use(self, unit) -> None:
         """Wait for ``unit``'s launched update, written home and (stages 1-2) all-gathered; a no-op once
         it has been. The last unit waited for drains the rest (the step's stats are then complete)."""
-        if not self.pending or unit.index not in self._waiting:
+        if unit.update_mark is not UpdateMark.LAUNCHED:
             return
         t0 = time.perf_counter()
         try:
-            self.pipeline.wait_for(self._launched_jobs[unit.index])
+            self.pipeline.wait_for(unit.launched_jobs)
             self._wait_gathers()   # in job order: this unit's gather is the newest
         except BaseException as e:
             self._launch_failed(e)
             raise
         finally:
             self._forward_wait_s += time.perf_counter() - t0
-        self._waiting.discard(unit.index)
-        if not self._waiting:
+        unit.set_update_mark(UpdateMark.NONE)
+        if not any(u.update_mark is UpdateMark.LAUNCHED for u in self.units):
             self.drain()
 
     def drain(self) -> None:
@@ -120,7 +118,8 @@ class UpdateAtNextForward(UpdateSchedule):
         self.last_stats = {}
 
     def _end_launch(self) -> None:
-        self.pending, self._waiting = False, set()
+        self.pending = False
+        self._clear_marks(UpdateMark.LAUNCHED)
 
     def _launch_failed(self, error: BaseException) -> None:
         """A launched update raised: the step was counted but is not whole (some units updated)."""
@@ -132,9 +131,6 @@ class UpdateAtNextForward(UpdateSchedule):
             error.add_note(f"infinity: the update optimizer.step() launched on rank {self.rank} "
                            "(optimizer.update_at next_forward) failed part-way; the state is newer than the "
                            "step count says: load the last checkpoint")
-
-    def updating(self, index: int) -> bool:
-        return (self.pending and index in self._waiting) or super().updating(index)
 
     def abort_backward(self) -> None:
         self.pipeline.abort()   # nothing of a launched update runs in a backward (begin_backward drained it)

@@ -51,5 +51,5 @@ class NoUpdate:
     def with_room(self, attempt):
         return attempt()
 
-    def updating(self, index: int) -> bool:
+    def updating(self, unit) -> bool:
         return False

@@ -324,12 +324,12 @@ def test_the_next_forward_waits_for_each_unit_just_before_it_runs(tmp_path, plac
         assert engine.update.pending
         blocks = [u for u in engine.units if not u.is_root]
         root = next(u for u in engine.units if u.is_root)
-        assert all(engine.update.updating(u.index) for u in engine.units)
+        assert all(engine.update.updating(u) for u in engine.units)
         for unit in blocks:   # registered after the engine's hook: runs once it has waited
             unit.module.register_forward_pre_hook(
                 lambda module, args, unit=unit: seen.append(
-                    (unit.index, engine.update.updating(root.index),
-                     [engine.update.updating(u.index) for u in blocks])))
+                    (unit.index, engine.update.updating(root),
+                     [engine.update.updating(u) for u in blocks])))
         launched = engine.stats.last_step["offload"]
         assert launched["update_deferred"] and "update_wait_s" not in launched
         line = engine_metrics(engine, 1.0)   # the --metrics line of the launched step: its Adam time is unknown

@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 import infinity
 from infinity.optim.cpu_adam import adamw_
 from infinity.comm.collectives import LocalCollectives
-from infinity.zero.units import (FlatUnit, TensorClass, UnitState, choose_unit_modules, plan_units,
+from infinity.zero.units import (FlatUnit, TensorClass, UnitState, UpdateMark, choose_unit_modules, plan_units,
                                   shard_align_numel)
 from zero_cases import CrossTied, build_model, global_batch
 
@@ -121,6 +121,30 @@ def test_unit_state_transitions_are_checked():
     unit.transition(UnitState.GATHERING)
     unit.transition(UnitState.GATHERED)
     assert model.ps[0].shape == (3,) and model.ps[0].data_ptr() == unit.full_param.data_ptr()
+
+
+def test_unit_update_mark_transitions_are_checked():
+    """A unit's update is begun (in backward) or launched (by the step) only from unmarked, and goes back
+    to unmarked before the other; a launched mark carries its jobs, which unmarking forgets."""
+    model = _Params([3])
+    unit = FlatUnit(0, "u", model, list(model.parameters()), ["p"], {id(model.ps[0]): 0}, 1, 1)
+    assert unit.update_mark is UpdateMark.NONE and unit.launched_jobs == ()
+    unit.set_update_mark(UpdateMark.BEGUN)
+    unit.set_update_mark(UpdateMark.BEGUN)   # begun again (submitted twice) changes nothing
+    with pytest.raises(RuntimeError, match="unit u: illegal update mark transition begun -> launched"):
+        unit.set_update_mark(UpdateMark.LAUNCHED, ["u"])
+    assert unit.update_mark is UpdateMark.BEGUN
+    unit.set_update_mark(UpdateMark.NONE)
+    unit.set_update_mark(UpdateMark.LAUNCHED, ["u#0", "u#1"])
+    assert unit.update_mark is UpdateMark.LAUNCHED and unit.launched_jobs == ("u#0", "u#1")
+    with pytest.raises(RuntimeError, match="launched -> begun"):
+        unit.set_update_mark(UpdateMark.BEGUN)
+    unit.set_update_mark(UpdateMark.NONE)
+    assert unit.update_mark is UpdateMark.NONE and unit.launched_jobs == ()
+    unit.clear_update()   # a new step's reset leaves the mark to the schedule
+    unit.set_update_mark(UpdateMark.LAUNCHED, ["u"])
+    unit.clear_update()
+    assert unit.update_mark is UpdateMark.LAUNCHED and unit.launched_jobs == ("u",)
 
 
 def test_stage3_world1_params_are_views_released_between_uses():

@@ -94,13 +94,13 @@ def test_overlapped_units_are_submitted_as_they_become_final_and_the_root_after_
         update.begin_backward(sync=True)   # the step's only (so last) backward
         for u in reversed(blocks):   # backward finishes the last block first
             update.unit_final(u, 1.0)
-            assert update.updating(u.index)
+            assert update.updating(u)
         update.unit_final(root, 1.0)
-        assert not update.updating(root.index)   # deferred to the end of backward
+        assert not update.updating(root)   # deferred to the end of backward
         with pytest.raises(RuntimeError, match="while its update runs"):
             update.check_gather(blocks[0])
         update.end_backward(1.0)
-        assert update.updating(root.index)
+        assert update.updating(root)
         with pytest.raises(RuntimeError, match="the step's last backward"):
             update.begin_backward(sync=True)
         update.step(1.0)
