@@ -40,7 +40,7 @@ import threading
 import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
-from infinity.store import BudgetError, StoreError, TensorStore, Tier
+from infinity.store import BudgetError, TensorStore, Tier
 from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds
 from infinity.zero.pins import PinOwner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, UnitPlacement, chunk_bounds, store_key

@@ -1,7 +1,6 @@
 """The pipelined offloaded Adam step against torch.optim.AdamW, on host and NVMe homes."""
 
 import gc
-import threading
 import time
 import weakref
 

@@ -20,7 +20,7 @@ from failure_cases import wait_store_idle
 from infinity.config import ConfigError
 from infinity.models import GPT, GPTConfig
 from infinity.optim.pipeline import AdamPipeline
-from infinity.store import BudgetError, TensorStore, Tier, tensor_store
+from infinity.store import Tier, rooms
 from infinity.store.budget import plan_spill
 from infinity.store.residency import Residency
 from infinity.zero.placement import UnitPlacement
@@ -199,7 +199,7 @@ def test_a_full_disk_during_a_spill_names_the_cause(tmp_path, monkeypatch):
         chosen.extend(keys)
         return keys
 
-    monkeypatch.setattr(tensor_store, "plan_spill", failing)
+    monkeypatch.setattr(rooms, "plan_spill", failing)
     model, opt = infinity.initialize(_model(), _config(tmp_path, 0, "800KiB"))
     engine = infinity.engine_of(model)
     held["store"] = engine.store
