@@ -209,11 +209,6 @@ class AdamPipeline:
         """Begin a step whose jobs come one by one through :meth:`submit`."""
         if self.running:
             raise RuntimeError("AdamPipeline.start: a step is already running; finish() it first")
-        if self.store is not None:
-            want = None if self.job_bytes is None else (self.lookahead + 2) * self.job_bytes
-            self._room = self.store.open_room(Tier.HOST, "the optimizer's look-ahead", want=want,
-                                              least=self.job_bytes or 0, leave=self.leave_bytes)
-            self._room_left = self._room.size_bytes
         self._jobs: queue.Queue = queue.Queue()
         self._landed: queue.Queue = queue.Queue()   # (name, on_done, param) for the caller's thread, then _END
         ready: queue.Queue = queue.Queue()
@@ -237,6 +232,15 @@ class AdamPipeline:
             threading.Thread(target=self._compute, args=(ready, hyper), name="infinity-adam", daemon=True)]
         for t in self._threads:
             t.start()
+        if self.store is not None:   # before the first job; a tier that cannot give it stops the threads
+            want = None if self.job_bytes is None else (self.lookahead + 2) * self.job_bytes
+            try:
+                self._room = self.store.open_room(Tier.HOST, "the optimizer's look-ahead", want=want,
+                                                  least=self.job_bytes or 0, leave=self.leave_bytes)
+            except BaseException:
+                self.abort()
+                raise
+            self._room_left = self._room.size_bytes
 
     def submit(self, job: ShardJob) -> None:
         """Queue ``job`` (its gradient final) for the running step; returns at once."""

@@ -158,9 +158,9 @@ class Room:
     the party pins (they move in). It holds what its party holds, and ``floor_bytes`` at least (used and
     backed together, set aside when it opens): a copy whose last pin goes becomes the shared pool's where
     the room keeps its floor without it (else it stays, idle, the room's to drop), and the bytes of its
-    copies that are dropped stay set aside for it up to the floor, the rest return to the tier. Making room inside it drops
-    only its own idle copies. Closed, its set-aside bytes return to the tier and its copies become
-    ordinary ones."""
+    copies that are dropped stay set aside for it up to the floor, the rest return to the tier. Making
+    room inside it drops only its own idle copies. Closed, its set-aside bytes return to the tier and its
+    copies become ordinary ones."""
 
     name: str
     tier: Tier
@@ -255,11 +255,11 @@ def plan_room(accounts: dict[Tier, TierAccount], policy: EvictionPolicy, records
     is short and nothing will change that.
 
     In the shared pool, its free bytes, else its idle clean copies (the policy picks). In ``room`` (for its
-    tier): within its size, its own idle clean copies make way first; what its backed bytes then lack is
-    taken from the shared pool as above and set aside for it (``backs``: ``{room: bytes}``, the backed bytes
-    it must have once the victims are dropped, the rest set aside from the shared pool); ``backing`` False takes nothing from the shared pool (a copy
-    moving into the room brings its own bytes). All or nothing: no victims unless every tier can be
-    satisfied, so a request that must wait does not throw cached copies away first.
+    tier): see :func:`_plan_in_room`; ``backs`` is ``{room: bytes}``, the backed bytes the room must have
+    once the victims are dropped (what it lacks is set aside from the shared pool); ``backing`` False takes
+    nothing from the shared pool (a copy moving into the room brings its own bytes). All or nothing: no
+    victims unless every tier can be satisfied, so a request that must wait does not throw cached copies
+    away first.
     """
     victims, short, backs = [], [], {}
     for tier, nbytes in needs.items():
@@ -309,12 +309,12 @@ def plan_room(accounts: dict[Tier, TierAccount], policy: EvictionPolicy, records
 def _plan_in_room(records, policy: EvictionPolicy, acct: TierAccount, room: Room, nbytes: int, key: str,
                   backing: bool):
     """:func:`plan_room` for ``nbytes`` in ``room``: ``(victims, bytes the room must have set aside once they
-    are dropped)``, None
-    when the room's own copies cannot make way (wait for its own in flight, else refused), "wait" when
-    what it lacks waits for copies in flight, "shared" when the shared pool cannot give what it lacks. What the room lacks beyond its backed bytes comes
-    from, in turn: what its size forces out of its own idle copies; the shared pool's free bytes; the
-    least recently used idle copies, its own and the shared pool's alike; its own copies in use and the
-    copies in flight (waited for: its party gives them back without waiting for anybody)."""
+    are dropped)``; None when its own copies cannot make way within its size (wait for its own in flight,
+    else refused); "wait" when what it lacks waits for copies in use or in flight; "shared" when the
+    shared pool cannot give what it lacks. What it lacks beyond its backed bytes comes from, in turn:
+    what its size forces out of its own idle copies; the shared pool's free bytes; the least recently
+    used idle copies, its own and the shared pool's alike; its own copies in use and the copies in flight
+    (waited for: its party gives them back without waiting for anybody)."""
     own = idle_candidates(records, room.tier, key, room)
     forced = max(0, room.used_bytes + nbytes - room.size_bytes)   # within its size
     victims = _choose(policy, own, forced) if forced else []
@@ -366,7 +366,7 @@ def _writes_without_room(rec: KeyRecord, tier: Tier) -> bool:
 
 
 def idle_copies(records: dict[str, KeyRecord], tier: Tier, exclude_key: str | None = None,
-          pool: Room | None = None) -> list[KeyRecord]:
+                pool: Room | None = None) -> list[KeyRecord]:
     """Records, in key order, with a resident working copy in ``tier`` charged to ``pool`` that no operation
     moves and no one pins. Called for every operation short of room, under the store's lock, over every key
     (thousands at 2.7B): the cheapest test first, and only the few idle copies sorted."""

@@ -133,9 +133,9 @@ class RoomMaker:
                 self._cond.notify_all()
 
     def _use_current(self, rec: KeyRecord, tier: Tier, pin: bool, owner, within: Room | None):
-        """The current ``tier`` copy, pinned for ``owner`` (a token, resolved) if ``pin``: a done future. A copy of the shared
-        pool pinned ``within`` an open room of that tier moves into the room first (a :class:`Recharge`
-        for :meth:`_issue` to make room for): whatever a room's party pins, its room holds."""
+        """The current ``tier`` copy, pinned for ``owner`` (a resolved token) if ``pin``: a done future. A copy
+        of the shared pool pinned ``within`` an open room of that tier moves into the room first (a
+        :class:`Recharge` for :meth:`_issue` to make room for): whatever a room's party pins, its room holds."""
         copy = rec.copies[tier]
         room = pool_of(within)
         if pin and room is not None and room.tier is tier and tier is not rec.home and pool_of(copy.room) is None:

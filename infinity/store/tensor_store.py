@@ -164,7 +164,8 @@ class TensorStore(TransferRunner, RoomMaker):
         new = KeyRecord(key, shape, dtype, nbytes, home)
         return self._issue(key, "register", plan, new_record=new)
 
-    def bring(self, key: str, tier: Tier | str, pin: bool = False, owner=None, within: Room | None = None) -> cf.Future:
+    def bring(self, key: str, tier: Tier | str, pin: bool = False, owner=None,
+              within: Room | None = None) -> cf.Future:
         """Make the ``tier`` copy of ``key`` current. Future of its tensor (None for NVMe).
 
         ``tier`` may be the home tier or a faster one. With ``pin`` the copy is pinned
@@ -647,6 +648,16 @@ class TensorStore(TransferRunner, RoomMaker):
                 return True
         return False
 
+    def _make_room_for(self, result, rec: KeyRecord, key: str):
+        """:meth:`_make_room` for what ``plan`` returned: a Transfer's new copies (in its room, if charged to
+        one), or a copy moving into a room (its own bytes come with it)."""
+        if isinstance(result, Recharge):
+            return self._make_room({result.tier: rec.copies[result.tier].reserved_bytes}, key, result.room,
+                                   backing=False)
+        needs = {t: self._cost(rec, t) for _, t in result.hops
+                 if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
+        return self._make_room(needs, key, pool_of(result.room))
+
     def _cost(self, rec: KeyRecord, tier: Tier) -> int:
         return self.pool.buffer_bytes(rec.nbytes) if tier is Tier.HOST else rec.nbytes
 
@@ -673,25 +684,16 @@ class TensorStore(TransferRunner, RoomMaker):
                             else plan(rec)
                         if isinstance(result, cf.Future):
                             return result
-                        if isinstance(result, Recharge):
-                            made = self._make_room({result.tier: rec.copies[result.tier].reserved_bytes}, key,
-                                                   result.room, backing=False)
-                            if made is True:
-                                return result.apply(self._accounts[result.tier], self._touch)
-                            if made:
-                                spills = made
-                                break
-                        elif result is not None:
+                        made = None if result is None else self._make_room_for(result, rec or new_record, key)
+                        if made is True and isinstance(result, Recharge):
+                            return result.apply(self._accounts[result.tier], self._touch)
+                        if made is True:
                             rec = rec or new_record
-                            needs = {t: self._cost(rec, t) for _, t in result.hops
-                                     if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
-                            made = self._make_room(needs, key, pool_of(result.room))
-                            if made is True:
-                                self._begin(rec, result)
-                                break
-                            if made:
-                                spills = made
-                                break
+                            self._begin(rec, result)
+                            break
+                        if made:
+                            spills = made
+                            break
                         waited_from = waited_from or time.perf_counter()
                         self._cond.wait()
                 if spills is None:
