@@ -7,8 +7,9 @@ memory or in the store), at most :data:`MAX_INFLIGHT` reductions in flight.
 
 A gradient homed in the store leaves the device without blocking backward: its
 copy runs on the store's device->host lane and the fold is left pending
-(:mod:`infinity.zero.grad_staging`) in :attr:`FoldedGrads.writes`, which the
-step waits for before anything reads a gradient. Units whose reduced gradient
+(:mod:`infinity.zero.grad_staging`) in the rank's one queue of pending folds
+(:attr:`FoldedGrads.staging`, the shards' :class:`~infinity.zero.grad_staging.FoldStaging`), which the
+step empties before anything reads a gradient. Units whose reduced gradient
 is in their shard are handed on in order (:meth:`FoldedGrads.take_folded`): an
 overlapped update may start on them.
 """
@@ -19,6 +20,7 @@ import collections
 
 import torch
 
+from infinity.zero.grad_staging import FoldStaging
 from infinity.zero.grads import MAX_INFLIGHT, GradReducer, norm_pieces, square_sum
 from infinity.zero.units import TensorClass
 
@@ -41,13 +43,18 @@ class FoldedGrads(GradReducer):
         self.accum_steps = accum_steps
         self._backwards = 0                 # backward passes since zero_grad
         self._inflight: collections.deque = collections.deque()
-        self.writes: collections.deque = collections.deque()   # pending folds / store futures, in fold order
-        self._failed_writes: list = []      # finished early but failed: raised by wait_writes
+        self.staging = FoldStaging()        # the shards' queue of pending folds (build); none in memory
         self._folded: list = []             # units whose reduced gradient is in their shard, not yet taken
 
     def build(self) -> None:
         for unit in self.units:
             unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
+        queues = {id(q): q for q in (u.shard.staging for u in self.units) if q is not None}
+        if len(queues) > 1:
+            raise ValueError(f"the units' shards queue their folds in {len(queues)} places: a rank's shards "
+                             "share one FoldStaging (store_shards makes them so)")
+        if queues:
+            self.staging = next(iter(queues.values()))
 
     def begin_backward(self) -> None:
         """A backward pass starts (counted for ``norm_at_fold``)."""
@@ -73,11 +80,8 @@ class FoldedGrads(GradReducer):
         take_norm = self.norm_at_fold and self._backwards >= self.accum_steps
         unit.grad_square_sums = {} if take_norm else None   # this fold replaces what a last one took
         inspect = self._inspector(unit, take_norm)
-        self._finish_landed_folds()
-        write = unit.shard.fold_grad(out, first, inspect)
-        if write is not None:
-            self.writes.append(write)
-        unit.pending_fold = write
+        self.staging.finish_landed()   # frees staging and pins, starts writes home early
+        unit.shard.fold_grad(out, first, inspect)   # what is left pending is in self.staging
         unit.full_grad = None   # the full gradient is dropped once reduced
         if own_buffer:
             self.buffers.freed(out.nbytes)
@@ -109,29 +113,17 @@ class FoldedGrads(GradReducer):
         if not self._folded:
             return []   # the common case: called after every parameter's hook, nothing new
         out, self._folded = self._folded, []
-        for unit in out:
-            write, unit.pending_fold = unit.pending_fold, None
-            if readable and write is not None and not getattr(write, "ordered", True):
-                write.result()
+        if readable:
+            for unit in out:
+                self.staging.finish_unit(unit.index, unordered_only=True)
         return out
-
-    def _finish_landed_folds(self) -> None:
-        """Finish the oldest pending folds whose copies have landed (frees their staging and pins, starts
-        their writes home early); copies land in fold order, so this stops at the first one still in
-        flight. A failure is kept for :meth:`wait_writes` to raise."""
-        while self.writes and self.writes[0].done():
-            w = self.writes.popleft()
-            try:
-                w.result()
-            except BaseException:   # noqa: BLE001 - raised where the step waits
-                self._failed_writes.append(w)
 
     def _wait_all(self) -> None:
         while self._inflight:
             self._inflight.popleft().wait()
 
     def _after_flush(self) -> None:
-        self._finish_landed_folds()   # the disk may start on gradients whose copies are in already
+        self.staging.finish_landed()   # the disk may start on gradients whose copies are in already
 
     def _drop_backward(self) -> None:
         self._inflight.clear()
@@ -139,16 +131,7 @@ class FoldedGrads(GradReducer):
         self._folded = []
 
     def wait_writes(self, raise_errors: bool = True) -> None:
-        writes = [*self._failed_writes, *self.writes]
-        self.writes, self._failed_writes = collections.deque(), []
-        for unit in self.units:
-            unit.pending_fold = None
-        for f in writes:
-            try:
-                f.result()
-            except BaseException:
-                if raise_errors:
-                    raise
+        self.staging.finish_all(raise_errors)
 
     def zero(self) -> None:
         super().zero()

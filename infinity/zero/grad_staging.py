@@ -4,8 +4,8 @@ A reduced gradient leaves the device on the store's device->host copier lane
 (on CUDA a side stream, after an event recorded on the compute stream behind
 the reduce-scatter's wait), so backward never drains the GPU to hand a shard to
 host memory. What is left to do once the bytes have landed is a
-:class:`PendingFold`; the gradient reducer keeps it with its pending writes and
-the step finishes it (:meth:`PendingFold.result`) before anything reads the
+:class:`PendingFold`, queued with its unit in the rank's one queue of pending
+folds (:class:`FoldStaging`), which the step empties before anything reads a
 gradient.
 
 - First gradient of a step: the host copy is *claimed* with the device tensor as
@@ -38,7 +38,7 @@ import torch
 
 from infinity.store import BudgetError
 
-__all__ = ["PendingFold", "FoldStaging", "all_folds", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
+__all__ = ["PendingFold", "FoldStaging", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
 
 # Staging buffers for accumulation folds in flight at once: one being copied while the one before
 # is folded; more would only hold host memory while the same copy lane drains them in order.
@@ -101,32 +101,29 @@ class PendingFold:
                         self._error = self._error or e
 
 
-def all_folds(folds: list):
-    """One pending write for a shard's chunk folds: None if there are none, the fold itself if one."""
-    folds = [f for f in folds if f is not None]
-    if not folds:
-        return None
-    if len(folds) == 1:
-        return folds[0]
-    # each one finishes itself when waited on; a store future (a replacement's) is ordered by the store
-    return PendingFold(folds, ordered=all(getattr(f, "ordered", True) for f in folds))
-
-
 class FoldStaging:
-    """The folds in flight of one rank, oldest first, and the bounds on them.
+    """The folds in flight of one rank, oldest first: the one queue of pending folds, and the bounds on them.
+
+    Every fold whose work is left pending is queued here, tagged with its unit, by the shard that
+    started it (:meth:`stage`, :meth:`claim`, :meth:`track`): the gradient reducer finishes them as they
+    land (:meth:`finish_landed`), a unit's own before its gradient is read or folded again
+    (:meth:`finish_unit`), and every one before the step reads a gradient (:meth:`finish_all`). A fold
+    that failed once finished is kept, and raised by :meth:`finish_all`.
 
     ``max_buffers`` staging buffers for accumulations at once, from ``store``'s host scratch (pinned on
     CUDA, counted against the host tier); ``max_claims`` first gradients whose copy may still be in
     flight, each of which keeps its device source (a reduce-scatter's output) alive until it lands, so
     this bounds the device memory that copies behind the compute stream hold. A fold past a bound
     first finishes the oldest one. ``peak_buffers`` / ``peak_bytes``: the most staging held at once;
-    ``waits``: folds that had to finish an older one first."""
+    ``waits``: folds that had to finish an older one first. ``store`` None: a rank whose gradients live
+    in memory (every fold is done at once; nothing is ever queued)."""
 
-    def __init__(self, store, max_buffers: int = STAGING_BUFFERS, max_claims: int = CLAIMS_IN_FLIGHT):
+    def __init__(self, store=None, max_buffers: int = STAGING_BUFFERS, max_claims: int = CLAIMS_IN_FLIGHT):
         if max_buffers < 1 or max_claims < 1:
             raise ValueError(f"FoldStaging: max_buffers and max_claims must be >= 1, got {max_buffers}, {max_claims}")
         self.store, self.max_buffers, self.max_claims = store, max_buffers, max_claims
-        self._holders: collections.deque = collections.deque()   # PendingFolds in flight, oldest first
+        self._queue: collections.deque = collections.deque()   # (unit index, PendingFold), oldest first
+        self._failed: list = []             # finished before finish_all, but failed: raised by it
         self.held_buffers = 0
         self.claims_in_flight = 0
         self.peak_claims = 0
@@ -136,8 +133,66 @@ class FoldStaging:
         self.peak_bytes = 0
         self.waits = 0
 
-    def stage(self, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
-        """Copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
+    # ------------------------------------------------------------ the queue
+
+    def pending(self, unit: int):
+        """Unit ``unit``'s folds still queued, as one waitable (a :class:`PendingFold` over them, not queued
+        itself), or None if it has none."""
+        folds = [f for u, f in self._queue if u == unit]
+        if not folds:
+            return None
+        if len(folds) == 1:
+            return folds[0]
+        return PendingFold(folds, ordered=all(f.ordered for f in folds))
+
+    def track(self, unit: int, future) -> PendingFold:
+        """Queue a store operation that is unit ``unit``'s fold (a host-homed first gradient's replacement):
+        the store makes every read of the key wait for it, so it is ordered."""
+        fold = PendingFold([future], ordered=True)
+        self._queue.append((unit, fold))
+        return fold
+
+    def finish_landed(self) -> None:
+        """Finish the oldest folds whose copies have landed (frees their staging and pins, starts their
+        writes home early); copies land in fold order, so this stops at the first one still in flight."""
+        while self._queue and self._queue[0][1].done():
+            self._retire()
+
+    def finish_unit(self, unit: int, unordered_only: bool = False) -> None:
+        """Finish unit ``unit``'s queued folds (``unordered_only``: only those a read would not wait for by
+        itself, accumulations whose sum is made by finishing them). A failure is kept for :meth:`finish_all`."""
+        mine = [e for e in self._queue if e[0] == unit and not (unordered_only and e[1].ordered)]
+        for entry in mine:
+            self._queue.remove(entry)
+            self._finish(entry[1])
+
+    def finish_all(self, raise_errors: bool = True) -> None:
+        """Finish every queued fold, oldest first; the first failure (also one kept from an earlier finish)
+        is raised after all have finished, unless ``raise_errors`` is False."""
+        failed, self._failed = self._failed, []
+        while self._queue:
+            fold = self._queue.popleft()[1]
+            try:
+                fold.result()
+            except BaseException:   # noqa: BLE001 - the rest must still land
+                failed.append(fold)
+        if failed and raise_errors:
+            failed[0].result()   # raises its error
+
+    def _retire(self) -> None:
+        """Finish the oldest queued fold."""
+        self._finish(self._queue.popleft()[1])
+
+    def _finish(self, fold: PendingFold) -> None:
+        try:
+            fold.result()
+        except BaseException:   # noqa: BLE001 - raised again where the step waits (finish_all)
+            self._failed.append(fold)
+
+    # ------------------------------------------------------------ staging
+
+    def stage(self, unit: int, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
+        """Unit ``unit``'s fold, queued: copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
         ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
         raises BudgetError (the caller folds the blocking way)."""
@@ -163,11 +218,11 @@ class FoldStaging:
                     cleanup()
 
         fold = PendingFold([copy, *after], finish=lambda: finish(staged), cleanup=done)
-        self._holders.append(fold)
+        self._queue.append((unit, fold))
         return fold
 
-    def claim(self, attempt, finish=None) -> PendingFold:
-        """A first gradient's fold: ``attempt()`` claims its host copy from the device tensor (a store
+    def claim(self, unit: int, attempt, finish=None) -> PendingFold:
+        """Unit ``unit``'s first gradient's fold, queued: ``attempt()`` claims its host copy from the device tensor (a store
         future, done once landed, or written home too), ``finish()`` runs after. Ordered: the
         claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
         self._make_way(lambda: self.claims_in_flight >= self.max_claims)
@@ -179,14 +234,13 @@ class FoldStaging:
             self.claims_in_flight -= 1
 
         fold = PendingFold([claimed], finish=finish, cleanup=landed, ordered=True)
-        self._holders.append(fold)
+        self._queue.append((unit, fold))
         return fold
 
     def _make_way(self, over_bound) -> None:
         """Retire the folds at the head that have landed (no wait), then the oldest while ``over_bound()``."""
-        while self._holders and self._holders[0].done():
-            self._retire()
-        while self._holders and over_bound():
+        self.finish_landed()
+        while self._queue and over_bound():
             self.waits += 1
             self._retire()
 
@@ -200,27 +254,14 @@ class FoldStaging:
             try:
                 return attempt()
             except BudgetError:
-                if not self._holders:
+                if not self._queue:
                     raise
                 self._retire()
-
-    def _retire(self) -> None:
-        """Finish the oldest holder (its error stays with it, for the step's wait to raise)."""
-        fold = self._holders.popleft()
-        try:
-            fold.result()
-        except BaseException:   # noqa: BLE001 - raised again where the step waits for it
-            pass
 
     def _give_back(self, buf: torch.Tensor) -> None:
         self.held_buffers -= 1
         self._held_bytes -= buf.numel()
         self.store.release_scratch(buf)
-
-    def drain(self) -> None:
-        """Finish every fold in flight (the shards are going away)."""
-        while self._holders:
-            self._retire()
 
     def stats(self) -> dict:
         return {"max_buffers": self.max_buffers, "held_buffers": self.held_buffers,

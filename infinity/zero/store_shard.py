@@ -41,7 +41,7 @@ import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
 from infinity.store import BudgetError, TensorStore, Tier
-from infinity.zero.grad_staging import FoldStaging, PendingFold, all_folds
+from infinity.zero.grad_staging import FoldStaging, PendingFold
 from infinity.zero.pins import PinOwner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, UnitPlacement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
@@ -93,8 +93,8 @@ class StoreUnitShard(UnitShard):
                  staging: FoldStaging | None = None, write_kept_grads: bool = False):
         super().__init__()
         self.store, self.unit_index, self.placement, self.lent = store, unit_index, placement, lent
-        self.staging = staging if staging is not None else FoldStaging(store)   # accumulation folds' buffers
-        self._pending_fold = None   # the last fold_grad's pending write (its copies may be in flight)
+        # the rank's queue of pending folds and their staging buffers (shared by its shards: store_shards)
+        self.staging = staging if staging is not None else FoldStaging(store)
         self.resident = resident   # (class, chunk) homed in host memory instead of on NVMe
         self.stream_states = stream_states   # NVMe-homed optimizer states: no host copy kept after the update
         # a speculative update's kept gradient is written home at once (UnitPlacement.writes_kept_grads)
@@ -307,9 +307,10 @@ class StoreUnitShard(UnitShard):
 
     def fold_grad(self, reduced: torch.Tensor, first: bool, inspect=None):
         """Fold a reduced gradient into the stored shard without waiting for it to leave the device
-        (:mod:`infinity.zero.grad_staging`): returns what the step must wait for before reading it (a
-        store future or a :class:`~infinity.zero.grad_staging.PendingFold`), and ``reduced`` must stay
-        unchanged until then.
+        (:mod:`infinity.zero.grad_staging`). What is left pending is queued in the rank's
+        :class:`~infinity.zero.grad_staging.FoldStaging` (:attr:`staging`), which the step empties before
+        it reads a gradient; returns this unit's queued folds as one waitable (None: nothing left
+        pending). ``reduced`` must stay unchanged until they are finished.
 
         - Host-homed first gradient: the shard is replaced (re-registered from ``reduced``, copied on the
           device->host lane); the old bytes are never read (zero_grad is lazy, saving a read and a write
@@ -319,7 +320,7 @@ class StoreUnitShard(UnitShard):
           backward) it is left there unwritten instead, and dropped unwritten once the optimizer has
           consumed it (:meth:`consumed_after_update`): the gradient shard does not touch the disk. The
           cost: until its update, it holds host room no eviction can take (short of room, the store
-          writes such copies home: :meth:`~infinity.store.TensorStore.spill`).
+          writes such copies home, newest first, and drops them: a spill).
         - Accumulation: the stored sum is brought to host memory while ``reduced`` is copied into a
           staging buffer (:class:`~infinity.zero.grad_staging.FoldStaging`); the sum is made on the host
           once both have landed.
@@ -330,27 +331,26 @@ class StoreUnitShard(UnitShard):
         keys = self._keys.get(TensorClass.GRAD)
         if keys is None:
             return super().fold_grad(reduced, first, inspect)
-        self._finish_pending_fold()   # one fold of a key in flight: the last micro-batch's lands first
+        self.staging.finish_unit(self.unit_index)   # one fold of a key in flight: the last micro-batch's lands first
         if first and inspect is not None:
             inspect(reduced)
         if first and self.placement.home(TensorClass.GRAD) is Tier.HOST:
-            write = self.replace(TensorClass.GRAD, reduced)
-            self._pending_fold = write
-            return write
+            return self.staging.track(self.unit_index, self.replace(TensorClass.GRAD, reduced))
         self.lent.write_back()
-        folds = []
         for c, (key, b) in enumerate(zip(keys, self.bounds if self.chunked else [None])):
             part = reduced if b is None else reduced[b[0]:b[1]]
-            folds.append(self._fold_first(key, part) if first else self._fold_sum(key, c, part, inspect))
-        self._pending_fold = all_folds(folds)
-        return self._pending_fold
+            if first:
+                self._fold_first(key, part)
+            else:
+                self._fold_sum(key, c, part, inspect)
+        return self.staging.pending(self.unit_index)
 
     def _fold_first(self, key: str, part: torch.Tensor) -> PendingFold:
         """The chunk's host copy claimed from ``part`` (its stale bytes never read) and, unless deferred,
         written home by the same store operation as soon as it has landed (so it never sits dirty,
         holding host room no eviction can take, until someone waits for it)."""
         write_home = not self.defers_grad_writes
-        return self.staging.claim(lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
+        return self.staging.claim(self.unit_index, lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
@@ -371,7 +371,7 @@ class StoreUnitShard(UnitShard):
                 self.store.unpin(key, Tier.HOST, owner)
 
         try:
-            return self.staging.stage(part, finish, cleanup=unpin, after=[brought])
+            return self.staging.stage(self.unit_index, part, finish, cleanup=unpin, after=[brought])
         except BudgetError:
             # no host room for a staging buffer, and no fold in flight to free some (a host budget at
             # its minimum: the homes and one optimizer job): this one is summed the blocking way
@@ -385,15 +385,6 @@ class StoreUnitShard(UnitShard):
             cf.wait([brought])
             unpin()
             raise
-
-    def _finish_pending_fold(self) -> None:
-        """Finish this shard's last fold if it is still pending (a failure is raised where the step waits)."""
-        pending, self._pending_fold = self._pending_fold, None
-        if pending is not None:
-            try:
-                pending.result()
-            except BaseException:   # noqa: BLE001 - the reducer's pending writes hold it too
-                pass
 
     def consumed_after_update(self, chunk: int = 0) -> tuple:
         """The NVMe-homed gradient chunk: dead once Adam has read it (the next fold overwrites it)."""
@@ -463,7 +454,7 @@ class StoreUnitShard(UnitShard):
 
     def release(self) -> None:
         """Forget this shard's stored keys (the engine is closing)."""
-        self._finish_pending_fold()   # no copy may still land in a key being released
+        self.staging.finish_unit(self.unit_index)   # no copy may still land in a key being released
         for key in {k for keys in self._keys.values() for k in keys}:
             if key in self.store:
                 self.store.release(key)

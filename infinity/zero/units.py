@@ -22,14 +22,17 @@ its training state apart): where its full parameters are (:class:`UnitState`,
 with the in-flight all-gather) and why the step wants them (:class:`UnitUse`),
 both checked on every change; the gradients still to arrive in this backward,
 which slots were written since ``zero_grad``, whether its gradient shard still
-holds values from before ``zero_grad``, its last fold's pending write, the
+holds values from before ``zero_grad``, the
 bytes of activations its forward moved out (``zero.activation_offload``),
 whether the running optimizer step has updated it, and whether an update of
 its shard runs that its next use must wait for or refuse (:class:`UpdateMark`,
 checked too; a launched update's mark carries the jobs to wait for). The
 gathers, the gradient reducer, the activation offload and the update schedules
 read and set these; what is still kept apart is the cap's release order
-(:class:`~infinity.zero.live_units.LiveUnits`).
+(:class:`~infinity.zero.live_units.LiveUnits`) and its folds left pending, in
+the rank's one queue of them, tagged with the unit, oldest first
+(:class:`~infinity.zero.grad_staging.FoldStaging`: the staging bounds finish
+the oldest of any unit).
 """
 
 from __future__ import annotations
@@ -173,9 +176,6 @@ class FlatUnit:
         # the clip norm's squared sums of the gradient shard, per piece start, taken at its last fold while
         # it was in memory (GradReducer.clip reads none back); None: not taken
         self.grad_square_sums: dict | None = None
-        # its last fold's pending write while that may still be in flight, until the fold is handed on
-        # (FoldedGrads.take_folded); None: nothing pending or the gradient lives in memory
-        self.pending_fold = None
         self.offloaded_bytes = 0            # activations its last training forward moved out of the device
         self.updated = False                # the running optimizer step has updated this unit's shard
         self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
@@ -257,6 +257,10 @@ class UnitShard:
     The verbs the engine uses are the same for every home (see the module doc);
     here each is the plain in-memory operation.
     """
+
+    # where the shard queues folds it leaves pending (a stored shard's FoldStaging); in memory every fold
+    # is done at once
+    staging = None
 
     def __init__(self):
         self._tensors: dict = {}

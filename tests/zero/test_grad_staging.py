@@ -4,6 +4,7 @@ and the staging buffers within their bound. The store's copier is a stand-in who
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 
 import pytest
@@ -82,8 +83,11 @@ def _reducer(units, fp16=False) -> GradReducer:
 
 def _stored_units(store, grads="nvme"):
     units = make_units(Blocks(width=64))
+    # one queue of pending folds for the rank's shards, its bounds wide enough that no fold here waits for
+    # another (the bounds have a test of their own)
+    staging = FoldStaging(store, max_buffers=len(units), max_claims=len(units))
     for unit in units:   # gradient shards in the store (the engine's store_shards does this)
-        unit.shard = StoreUnitShard(store, unit.index, _placement(grads), LentCopies(store))
+        unit.shard = StoreUnitShard(store, unit.index, _placement(grads), LentCopies(store), staging=staging)
     return units
 
 
@@ -128,7 +132,8 @@ def test_the_step_waits_for_every_gradient_copy_before_it_reads(tmp_path):
         r.zero()   # the next backward's folds are first gradients
         g1, g2 = _random(units, 1), _random(units, 2)
         _backward(r, units, g1)   # first gradients: claimed from the device tensor, copies held back
-        assert copier.in_flight() == len(units) and r.writes, "backward waited for its copies"
+        assert copier.in_flight() == len(units) and all(r.staging.pending(u.index) for u in units), \
+            "backward waited for its copies"
         copier.gate.set()
         _wait_until(lambda: copier.in_flight() == 0)
         copier.gate.clear()
@@ -244,3 +249,66 @@ def test_an_accumulation_with_no_host_room_for_staging_is_summed_the_blocking_wa
     finally:
         store.close()
         copier.close()
+
+
+def test_every_pending_fold_is_in_the_ranks_one_queue_by_unit(tmp_path):
+    """The rank's shards queue what they leave pending in one FoldStaging, tagged by unit: a unit's folds
+    are found and finished there alone (the unordered ones only, when asked), the landed ones at the head
+    finish without waiting, a failure finished early is kept until the step's finish_all raises it once,
+    and the step's wait leaves nothing queued. Shards with a queue each are refused by the reducer."""
+    copier = GatedCopier(open_gate=False)
+    store = _store(tmp_path, copier)
+    try:
+        staging = FoldStaging(store, max_buffers=4, max_claims=4)
+        shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), staging=staging) for i in range(2)]
+        for shard in shards:
+            shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        a, b, c, d = _grads(4, seed=6)
+        for shard, part in zip(shards, (a, b)):
+            assert _fold_alone(shard, part, first=True) is staging.pending(shard.unit_index)
+        assert staging.pending(0).ordered and staging.pending(1).ordered   # claims: reads wait in the store
+        copier.gate.set()
+        _wait_until(lambda: staging.pending(0).done() and staging.pending(1).done())   # landed, written home
+        staging.finish_landed()
+        assert staging.pending(0) is None and staging.pending(1) is None
+        copier.gate.clear()
+        for shard, part in zip(shards, (c, d)):
+            _fold_alone(shard, part, first=False)
+        assert not staging.pending(0).ordered   # an accumulation's sum is made only when it is finished
+        copier.gate.set()
+        _wait_until(lambda: copier.in_flight() == 0)
+        staging.finish_unit(1, unordered_only=True)
+        assert staging.pending(1) is None and staging.pending(0) is not None
+        failed = cf.Future()
+        failed.set_exception(OSError("copy failed"))
+        staging.track(2, failed)
+        staging.finish_unit(0)
+        staging.finish_landed()   # the failure at the head is finished and kept
+        assert staging.pending(2) is None
+        with pytest.raises(OSError, match="copy failed"):
+            staging.finish_all()
+        staging.finish_all()   # raised once
+        assert torch.equal(shards[0].read(TensorClass.GRAD), a + c)
+        assert torch.equal(shards[1].read(TensorClass.GRAD), b + d)
+        assert staging.held_buffers == 0 and store.stats()["scratch_bytes"] == 0
+        for shard in shards:
+            shard.release()
+        units = _stored_units(store)
+        units[0].shard = StoreUnitShard(store, 0, _placement("nvme"), LentCopies(store))   # a queue of its own
+        with pytest.raises(ValueError, match="share one FoldStaging"):
+            _reducer(units).build()
+    finally:
+        copier.gate.set()   # a copy held back by a failed assertion lands, so the store can close
+        store.close()
+        copier.close()
+
+
+def _fold_alone(shard, part, first: bool):
+    """``shard.fold_grad`` with the copier's gate shut: it must return without finishing another unit's
+    fold (whose copy is held back); returns what it returned."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(shard.fold_grad(part.clone(), first)), daemon=True)
+    t.start()
+    t.join(30)
+    assert out, f"folding unit {shard.unit_index} waited for another unit's fold"
+    return out[0]
