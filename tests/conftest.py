@@ -2,6 +2,7 @@
 ``tests/helpers/`` and import by their module names, in pytest and in the ranks it spawns."""
 
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).with_name("helpers")))
@@ -17,6 +18,17 @@ def _kernel_cache(tmp_path_factory):
     directory, not the user's cache; ranks spawned later inherit it."""
     mp = pytest.MonkeyPatch()
     mp.setenv("INFINITY_CACHE", str(tmp_path_factory.mktemp("kernels")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_files(tmp_path_factory):
+    """Temporary files of this process and of every process it starts (torchrun's agents make a log
+    directory each) go to this session's temporary directory, which pytest prunes, not the system's."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+    mp.setattr(tempfile, "tempdir", None)   # looked up again from TMPDIR on next use
     yield
     mp.undo()
 
