@@ -49,12 +49,12 @@ class FoldedGrads(GradReducer):
     def build(self) -> None:
         for unit in self.units:
             unit.shard.put_zeros(TensorClass.GRAD, unit.shard_numel, self.reduce_dtype, self.device)
-        queues = {id(q): q for q in (u.shard.staging for u in self.units) if q is not None}
+        queues = {u.shard.staging for u in self.units} - {None}
         if len(queues) > 1:
             raise ValueError(f"the units' shards queue their folds in {len(queues)} places: a rank's shards "
                              "share one FoldStaging (store_shards makes them so)")
         if queues:
-            self.staging = next(iter(queues.values()))
+            self.staging = queues.pop()
 
     def begin_backward(self) -> None:
         """A backward pass starts (counted for ``norm_at_fold``)."""

@@ -169,13 +169,9 @@ class FoldStaging:
     def finish_all(self, raise_errors: bool = True) -> None:
         """Finish every queued fold, oldest first; the first failure (also one kept from an earlier finish)
         is raised after all have finished, unless ``raise_errors`` is False."""
-        failed, self._failed = self._failed, []
         while self._queue:
-            fold = self._queue.popleft()[1]
-            try:
-                fold.result()
-            except BaseException:   # noqa: BLE001 - the rest must still land
-                failed.append(fold)
+            self._retire()
+        failed, self._failed = self._failed, []
         if failed and raise_errors:
             failed[0].result()   # raises its error
 
@@ -192,10 +188,10 @@ class FoldStaging:
     # ------------------------------------------------------------ staging
 
     def stage(self, unit: int, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
-        """Unit ``unit``'s fold, queued: copy ``src`` (device) into a staging buffer on the device->host lane; once it and the futures in
-        ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
-        ``cleanup()``. Without host room for the buffer once the folds in flight are finished, this
-        raises BudgetError (the caller folds the blocking way)."""
+        """Unit ``unit``'s fold, queued: copy ``src`` (device) into a staging buffer on the device->host
+        lane; once it and the futures in ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`),
+        then the buffer goes back, then ``cleanup()``. Without host room for the buffer once the folds in
+        flight are finished, this raises BudgetError (the caller folds the blocking way)."""
         self._make_way(lambda: self.held_buffers >= self.max_buffers)
         nbytes = src.numel() * src.element_size()
         buf = self.with_room(lambda: self.store.host_scratch(nbytes))
@@ -222,9 +218,9 @@ class FoldStaging:
         return fold
 
     def claim(self, unit: int, attempt, finish=None) -> PendingFold:
-        """Unit ``unit``'s first gradient's fold, queued: ``attempt()`` claims its host copy from the device tensor (a store
-        future, done once landed, or written home too), ``finish()`` runs after. Ordered: the
-        claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
+        """Unit ``unit``'s first gradient's fold, queued: ``attempt()`` claims its host copy from the device
+        tensor (a store future, done once landed, or written home too), ``finish()`` runs after. Ordered:
+        the claim keeps its key busy until then, so readers wait for it without waiting for this fold."""
         self._make_way(lambda: self.claims_in_flight >= self.max_claims)
         claimed = self.with_room(attempt)
         self.claims_in_flight += 1

@@ -350,7 +350,8 @@ class StoreUnitShard(UnitShard):
         written home by the same store operation as soon as it has landed (so it never sits dirty,
         holding host room no eviction can take, until someone waits for it)."""
         write_home = not self.defers_grad_writes
-        return self.staging.claim(self.unit_index, lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
+        return self.staging.claim(self.unit_index,
+                                  lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect) -> PendingFold | None:
         """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
