@@ -61,7 +61,8 @@ from infinity.io import aligned_empty  # noqa: E402
 from infinity.io.syscalls import O_DIRECT  # noqa: E402
 from infinity.optim import native  # noqa: E402
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads  # noqa: E402
-from infinity.optim.pipeline import AdamPipeline, ShardJob  # noqa: E402
+from infinity.optim.pipeline import AdamPipeline  # noqa: E402
+from infinity.optim.shard_job import ShardJob  # noqa: E402
 from infinity.precision import hardware_record  # noqa: E402
 from infinity.store import TensorStore, Tier  # noqa: E402
 

@@ -48,82 +48,27 @@ import concurrent.futures as cf
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from infinity.optim.cpu_adam import CpuAdamW, device_adamw_, device_adamw_blocks_, write_param_
-from infinity.optim.split_master import join_bf16_, split_bf16_
+from infinity.optim.cpu_adam import CpuAdamW
+from infinity.optim.shard_job import ShardJob
+from infinity.optim.shard_update import update_blocked, update_flat
 from infinity.store import StoreError, TensorStore, Tier
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.host_pool import HostBufferPool
 from infinity.store.pinned_host import CudaHostRegistrar, HostRegistrar
 from infinity.trace import NULL_TRACER, Tracer
 
-__all__ = ["ShardJob", "AdamPipeline"]
+__all__ = ["AdamPipeline"]
 
 _FIELDS = ("master", "exp_avg", "exp_avg_sq", "grad", "param_out")
 _WRITTEN = ("master", "exp_avg", "exp_avg_sq", "param_out")   # the fields Adam changes
 _END = object()   # the compute thread's last word on the landed-params queue
 _SOURCE = "source"   # a swap-in future's name (_SOURCE, field): the old value of a speculative job's field
 _STAGING_CAPACITY_BYTES = 2**62   # the staging pool's bound is the lookahead, not a byte budget
-
-
-@dataclass
-class ShardJob:
-    """One shard's optimizer step. Each field is a store key (str) or an in-memory tensor.
-
-    ``param_out`` is the compute-precision parameter written in the same pass
-    (None: the fp32 master *is* the parameter). ``ranges`` are
-    ``(group_index, lo, hi)`` element ranges with their own hyper-parameters.
-    ``on_done(param)`` runs on the caller's thread in ``finish`` (or ``wait_for``), in job order, once the update
-    landed, with the updated parameter (e.g. to launch its all-gather) — before any write-back
-    of it completes, which is fine: the in-memory copy is already final.
-    ``grad_scale`` multiplies the gradient as Adam reads it (fp16 unscale, clipping).
-    ``discard`` names store keys whose host copy is dropped unwritten once the update is done
-    (a consumed gradient: writing it home would be wasted I/O).
-    ``drop`` names written store keys whose host copy is dropped once it is home (evicted, not
-    cached): states streamed through a host budget too small to keep them until their next use.
-    ``write_home`` names keys the update reads and does not change whose host copy is written home
-    (if it is the newest) and dropped once the update is done: a gradient a speculative update keeps
-    for a redo, where the host budget cannot hold it until the step is decided.
-    ``master_is_remainder``: ``master`` is a split master's int16 remainder (``optimizer.master:
-    remainder``), so ``param_out`` is read as well as written: the fp32 master is the two joined.
-    ``moments_blocked``: ``exp_avg`` / ``exp_avg_sq`` are int8 rows of blocks (``optimizer.moments: int8``,
-    :mod:`~infinity.optim.moment_codes`), updated a whole job at a time; their stochastic rounding is a
-    function of ``unit_index`` and of each element's index in the unit's flat buffer (the job's first
-    is ``element_offset``), so any chunking or tier gives the same result.
-    ``sources`` (a speculative update, :mod:`infinity.zero.speculation`): ``{field: key or tensor}`` for
-    written fields whose old value is read from elsewhere. The field (a spare key or tensor) is then
-    filled with the source's bytes before Adam updates it in place, and the source is left as it was
-    (read, never written), so the update can be dropped or redone from it. A source key homed beyond
-    the host tier hands its host copy over to the field's key (:meth:`TensorStore.hand_over`: no copy,
-    no more room; the source keeps its home bytes); a host-homed source is copied.
-    """
-
-    name: str
-    master: str | torch.Tensor
-    exp_avg: str | torch.Tensor
-    exp_avg_sq: str | torch.Tensor
-    grad: str | torch.Tensor
-    param_out: str | torch.Tensor | None
-    ranges: list
-    on_done: Callable | None = None
-    grad_scale: float = 1.0
-    discard: tuple = ()
-    drop: tuple = ()
-    write_home: tuple = ()
-    master_is_remainder: bool = False
-    moments_blocked: bool = False
-    unit_index: int = 0
-    element_offset: int = 0
-    sources: dict = field(default_factory=dict)
-    _keys: list = field(default_factory=list, repr=False)
-    _handover: dict = field(default_factory=dict, repr=False)   # field -> (source key, field key)
-    _grads_ready: object = field(default=None, repr=False)   # CUDA-only: event after the gradient's kernels
-    _submitted_s: float = field(default=0.0, repr=False)
-    _room_bytes: int = field(default=0, repr=False)   # what it was promised of the look-ahead room
 
 
 @dataclass
@@ -607,7 +552,7 @@ class AdamPipeline:
                 out = torch.empty(final.shape, dtype=final.dtype, device=dev)
             if job.master_is_remainder:
                 out.copy_(final)   # the parameter is half of the master: Adam reads it (CUDA: blocking)
-        (self._update_blocked if job.moments_blocked else self._update_flat)(job, t, master, grad, out, hyper)
+        (update_blocked if job.moments_blocked else update_flat)(self.adam, job, t, master, grad, out, hyper)
         if to_device:
             # off the compute thread; the copy's closure holds `out` alive until it has landed
             return final, _Staged(out, self._device_copier(final).to_device(final, out), staging)
@@ -615,40 +560,6 @@ class AdamPipeline:
             # device master -> host-stored parameter (optimizer kept on the device): blocking
             final.copy_(out)
         return (final if final is not None else master), None
-
-    def _update_flat(self, job: ShardJob, t: dict, master, grad, out, hyper) -> None:
-        """fp32 / bf16 moments: each param group's range of the job by :meth:`CpuAdamW.step_` on the CPU,
-        by the device's kernel where the states are in device memory."""
-        for group, lo, hi in job.ranges:
-            h = hyper(group)
-            o = out[lo:hi] if out is not None else None
-            if master.device.type == "cpu":
-                self.adam.step_(master[lo:hi], grad[lo:hi], t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi],
-                                step=h["step"], lr=h["lr"], betas=h["betas"], eps=h["eps"],
-                                weight_decay=h["weight_decay"], out=o, grad_scale=job.grad_scale)
-            else:   # CUDA-only: states in device memory, updated there by torch's fused kernel
-                m32 = join_bf16_(o, master[lo:hi], torch.empty(hi - lo, dtype=torch.float32, device=master.device)) \
-                    if job.master_is_remainder else master[lo:hi]
-                moments = (t["exp_avg"][lo:hi], t["exp_avg_sq"][lo:hi])
-                wide = [x.float() for x in moments]   # the math is fp32 whatever the moments' stored format
-                device_adamw_(m32, grad[lo:hi].float() * job.grad_scale, *wide, step=h["step"], lr=h["lr"],
-                              beta1=h["betas"][0], beta2=h["betas"][1], eps=h["eps"], weight_decay=h["weight_decay"])
-                for x, w in zip(moments, wide):
-                    if x is not w:
-                        x.copy_(w)
-                if job.master_is_remainder:
-                    split_bf16_(m32, o, master[lo:hi])
-                elif o is not None:
-                    write_param_(m32, o)
-
-    def _update_blocked(self, job: ShardJob, t: dict, master, grad, out, hyper) -> None:
-        """int8 moments: one call for the whole job (a block may hold two param groups' elements).
-        On the CPU, :meth:`CpuAdamW.step_segments_` decodes and encodes per cache-sized chunk; a job held
-        in device memory (CUDA-only) is decoded whole, updated per range and encoded back."""
-        # CUDA-only: states in device memory take device_adamw_blocks_
-        update = self.adam.step_segments_ if master.device.type == "cpu" else device_adamw_blocks_
-        update(master, grad, t["exp_avg"], t["exp_avg_sq"], [(lo, hi, hyper(group)) for group, lo, hi in job.ranges],
-               out=out, grad_scale=job.grad_scale, seed=job.unit_index, index=job.element_offset)
 
     def _swap_out(self, job: ShardJob) -> list:
         """Mark the changed copies dirty, unpin everything, start the write-backs (not waited here)."""

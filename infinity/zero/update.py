@@ -1,6 +1,6 @@
 """The optimizer update: every unit shard one job through one pipeline, wherever it lives, on a schedule.
 
-Each unit's shard becomes a :class:`~infinity.optim.pipeline.ShardJob`
+Each unit's shard becomes a :class:`~infinity.optim.shard_job.ShardJob`
 whose fields are in-memory tensors or store keys (the shard says which,
 :meth:`UnitShard.job_field`), and every job runs through the same
 :class:`~infinity.optim.pipeline.AdamPipeline`: swap-in of the next
@@ -47,7 +47,8 @@ import os
 
 from infinity.optim.cpu_adam import CpuAdamW, default_adam_threads
 from infinity.optim.moment_codes import moment_format
-from infinity.optim.pipeline import AdamPipeline, ShardJob
+from infinity.optim.pipeline import AdamPipeline
+from infinity.optim.shard_job import ShardJob
 from infinity.zero.grads import MAX_INFLIGHT
 from infinity.zero.units import TensorClass, UpdateMark
 

@@ -10,7 +10,8 @@ import torch
 from fake_registrar import RecordingRegistrar
 from infinity.config import IOConfig, TiersConfig
 from infinity.optim.cpu_adam import CpuAdamW
-from infinity.optim.pipeline import AdamPipeline, ShardJob
+from infinity.optim.pipeline import AdamPipeline
+from infinity.optim.shard_job import ShardJob
 from infinity.optim.split_master import round_bf16_
 from infinity.store import BudgetError, TensorStore, Tier
 from infinity.trace import Tracer

@@ -303,7 +303,7 @@ def test_config_refusals_at_initialize(tmp_path, change, needs):
 
 def _pipeline_store(tmp_path, host_bytes, n=1, numel=4096):
     from infinity.config import IOConfig, TiersConfig
-    from infinity.optim.pipeline import ShardJob
+    from infinity.optim.shard_job import ShardJob
     from infinity.store import TensorStore
     store = TensorStore(TiersConfig(device_bytes=1 << 20, host_bytes=host_bytes, nvme_path=str(tmp_path)),
                         IOConfig(block_bytes=16384, queue_depth=4, threads=2))
