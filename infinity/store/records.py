@@ -1,8 +1,8 @@
 """The store's bookkeeping for one key: its copies and the operation moving them.
 
 Plain data, read and written only under the store's lock. The rules that
-connect them live in ``tensor_store.py``; the legal state changes live in
-``residency.py``.
+connect them live in the store's parts (``tensor_store.py`` and the modules it
+names); the legal state changes live in ``residency.py``.
 """
 
 from __future__ import annotations

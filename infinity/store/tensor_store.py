@@ -23,6 +23,13 @@ asks ``within`` that :class:`~infinity.store.budget.Room`; nobody else's request
 can take those bytes, and the party's own requests make room only from its own
 copies. No party waits for another to give memory back.
 
+Parts, one concern a module, that :class:`TensorStore` is assembled from: how a
+request becomes a transfer and is issued (:mod:`~infinity.store.planning`), the
+transfers in flight (:mod:`~infinity.store.transfers`), rooms and making room
+(:mod:`~infinity.store.rooms`), and what the store answers without moving
+anything, with its counters (:mod:`~infinity.store.inspection`); this module
+holds the verbs, host scratch and closing.
+
 Locking: one lock + condition guards all bookkeeping. It is never held while
 calling into the io layer, the device copier, or a returned future's
 ``set_result`` (whose callbacks may call back into the store); it is held while
@@ -40,7 +47,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -50,10 +57,12 @@ from infinity.store.budget import Room, TierAccount, pool_of, resolve_budgets
 from infinity.store.device_copy import DeviceCopier
 from infinity.store.eviction import EvictionPolicy, LRUPolicy
 from infinity.store.host_pool import HostBufferPool
+from infinity.store.inspection import StoreInspector
 from infinity.store.pinned_host import CudaHostRegistrar, HostRegistrar
+from infinity.store.planning import TransferPlanner, pin_owner as _owner
 from infinity.store.records import CopyRecord, KeyRecord, Transfer
 from infinity.store.residency import Residency, StoreError, Tier
-from infinity.store.rooms import Recharge, RoomMaker, charged_to
+from infinity.store.rooms import RoomMaker, charged_to
 from infinity.store.swap_dir import make_swap_dir
 from infinity.store.transfers import TransferRunner, done_future as _done
 
@@ -62,12 +71,7 @@ __all__ = ["TensorStore"]
 _R = Residency
 
 
-def _owner(owner):
-    """A pin's owner token: the caller's, or its thread when it named none."""
-    return threading.get_ident() if owner is None else owner
-
-
-class TensorStore(TransferRunner, RoomMaker):
+class TensorStore(TransferPlanner, TransferRunner, RoomMaker, StoreInspector):
     """Tensors in device / host / NVMe tiers of one rank, within per-tier byte budgets.
 
     ``swap_dir`` (default ``tiers.nvme_path``) is needed once a key is homed on
@@ -421,27 +425,6 @@ class TensorStore(TransferRunner, RoomMaker):
         done once ``dst`` holds the bytes; ``src`` and ``dst`` must stay untouched until then."""
         return self._copier.to_host(dst, src.detach())
 
-    def _add_wait(self, seconds: float) -> None:
-        """Book ``seconds`` blocked on this thread (called under ``_cond``)."""
-        self._wait_s += seconds
-        self._thread_waits.s = getattr(self._thread_waits, "s", 0.0) + seconds
-
-    def thread_wait_s(self) -> float:
-        """Seconds the calling thread has spent blocked in the store since it was built (all threads'
-        sum is ``stats()["wait_s"]``): lets a caller attribute waits to what its own thread was doing."""
-        return getattr(self._thread_waits, "s", 0.0)
-
-    def wait(self, fut: cf.Future):
-        """``fut.result()``, with the time spent blocked counted in ``stats()["wait_s"]``."""
-        if fut.done():
-            return fut.result()
-        t0 = time.perf_counter()
-        try:
-            return fut.result()
-        finally:
-            with self._cond:
-                self._add_wait(time.perf_counter() - t0)
-
     def mark_dirty(self, key: str, tier: Tier | str) -> None:
         """Record that the caller changed the ``tier`` copy: it becomes the only current copy.
 
@@ -487,85 +470,13 @@ class TensorStore(TransferRunner, RoomMaker):
             self._cond.notify_all()
             return copy.tensor
 
-    # ------------------------------------------------------------------ inspection
-
-    def __contains__(self, key: str) -> bool:
-        with self._cond:
-            return key in self._keys
-
-    def keys(self) -> list[str]:
-        with self._cond:
-            return sorted(self._keys)
-
-    def residency(self, key: str) -> dict[Tier, Residency]:
-        with self._cond:
-            rec = self._lookup(key, "residency")
-            return {t: rec.copies[t].state for t in Tier}
-
-    def is_dirty(self, key: str) -> bool:
-        with self._cond:
-            return self._lookup(key, "is_dirty").dirty
-
-    def home(self, key: str) -> Tier:
-        with self._cond:
-            return self._lookup(key, "home").home
-
-    def layout(self, key: str) -> tuple:
-        """``(shape, dtype)`` of the key's tensor."""
-        with self._cond:
-            rec = self._lookup(key, "layout")
-            return rec.shape, rec.dtype
-
-    def working_bytes(self, key: str, tier: Tier | str) -> int:
-        """What a working copy of ``key`` in ``tier`` holds against the tier's budget (0 in its home tier)."""
-        tier = Tier.parse(tier)
-        with self._cond:
-            rec = self._lookup(key, "working_bytes")
-            return 0 if tier is rec.home else self._cost(rec, tier)
-
-    def nbytes(self, key: str) -> int:
-        """The key's tensor size in bytes (what each of its copies holds)."""
-        with self._cond:
-            return self._lookup(key, "nbytes").nbytes
-
-    def stats(self) -> dict:
-        """Counters, JSON-ready. Tier bytes are reserved bytes (host: 4096-rounded pool buffers)."""
-        with self._cond:
-            out = {
-                "keys": len(self._keys),
-                "budget_bytes": {t.value: a.budget_bytes for t, a in self._accounts.items()},
-                "tier_bytes": {t.value: a.in_use_bytes for t, a in self._accounts.items()},
-                "peak_bytes": {t.value: a.peak_bytes for t, a in self._accounts.items()},
-                "moved_bytes": dict(sorted(self._moved_bytes.items())),
-                "evictions": {t.value: self._evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
-                "explicit_evictions": {t.value: self._explicit_evictions[t] for t in (Tier.DEVICE, Tier.HOST)},
-                "spills": {t.value: self._spills[t] for t in (Tier.DEVICE, Tier.HOST)},
-                "set_aside_bytes": {t.value: self._accounts[t].set_aside_bytes for t in (Tier.DEVICE, Tier.HOST)},
-                "scratch_bytes": self._scratch_bytes, "scratch_peak_bytes": self._scratch_peak_bytes,
-                "wait_s": self._wait_s,
-            }
-            extents = self._extents
-        out["host_pool"] = self.pool.stats()
-        out["io"] = extents.stats() if extents is not None else None
-        return out
+    # ------------------------------------------------------------------ host memory and closing
 
     def trim_host_buffers(self) -> int:
         """Free host buffers cached for reuse (:meth:`HostBufferPool.end_window`; a training step calls
         this once per step, so a budget filled once does not stay RSS for good), and a CPU device tier's.
         Returns the bytes freed."""
         return self.pool.end_window() + (self.device_pool.end_window() if self.device_pool is not None else 0)
-
-    def take_peak_bytes(self) -> dict:
-        """Per tier, the most bytes held since the last call (a window: one training step); the next
-        window starts from what is held now. ``host`` is the host pool's buffers, in use and cached
-        (what the tier costs in RAM, at most its budget); ``device`` and ``nvme`` are reserved bytes (a CPU
-        device: or its pool's buffers, in use and cached, where more)."""
-        with self._cond:
-            out = {t.value: a.take_window_peak() for t, a in self._accounts.items()}
-        out[Tier.HOST.value] = self.pool.take_window_peak()
-        if self.device_pool is not None:
-            out[Tier.DEVICE.value] = max(out[Tier.DEVICE.value], self.device_pool.take_window_peak())
-        return out
 
     def close(self) -> None:
         """Wait for operations in flight, release every key, remove the swap file. Idempotent."""
@@ -596,114 +507,6 @@ class TensorStore(TransferRunner, RoomMaker):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ------------------------------------------------------------------ planning
-
-    @staticmethod
-    def _path(src: Tier, dst: Tier) -> list[tuple[Tier, Tier]]:
-        """Adjacent-tier hops from ``src`` to ``dst`` (device -> host -> nvme or back)."""
-        lo, hi = sorted((src.rank, dst.rank))
-        tiers = list(Tier)[lo:hi + 1]
-        if src.rank > dst.rank:
-            tiers.reverse()
-        return list(zip(tiers, tiers[1:]))
-
-    def _plan_current(self, rec: KeyRecord, tier: Tier, kind: str, pin: bool, owner=None,
-                      within: Room | None = None):
-        """A Transfer that makes the ``tier`` copy current, or a done future if it already is (or a
-        :class:`Recharge`, see :meth:`_use_current`)."""
-        if tier.rank > rec.home.rank:
-            raise self._refuse(rec, tier, kind, f"it is slower than the home tier ({rec.home.value}); "
-                                                "working copies live in faster tiers")
-        copy = rec.copies[tier]
-        if copy.state is _R.RESIDENT and copy.version == rec.latest:
-            if kind == "write_back":
-                return _done(None)
-            return self._use_current(rec, tier, pin, owner, within)
-        if rec.op is not None:
-            return None   # another operation moves this key: wait for it, then plan again
-        # Nearest current copy; on a tie the faster one (a memory copy beats a disk read).
-        source = min(rec.current_tiers(), key=lambda t: (abs(t.rank - tier.rank), t.rank))
-        hops = self._path(source, tier)
-        if self._targets_pinned(rec, hops, kind, owner):
-            return None
-        op = Transfer(kind, tier, hops, version=rec.latest)
-        op.pins_on_done = [_owner(owner)] if pin else []
-        return op
-
-    def _targets_pinned(self, rec: KeyRecord, hops: list, kind: str, owner=None) -> bool:
-        """Whether a copy the hops would overwrite is pinned by another owner (then: wait for it).
-
-        A pinned copy here is stale (a current one would be a source, not a target), and
-        refreshing it in place would change bytes under its reader. If the caller (``owner``;
-        None: the calling thread) holds the pin, waiting would deadlock, so that is an error instead.
-        """
-        for _, t in hops:
-            if rec.copies[t].pinned_by_owner(owner):
-                who = ("this thread has" if owner in (None, threading.get_ident())
-                       else f"owner {owner!r} has")
-                raise self._refuse(rec, t, kind, f"{who} it pinned, but it is stale and refreshing "
-                                                 "it would overwrite it while in use; unpin it first")
-            if rec.copies[t].pins:
-                return True
-        return False
-
-    def _make_room_for(self, result, rec: KeyRecord, key: str):
-        """:meth:`_make_room` for what ``plan`` returned: a Transfer's new copies (in its room, if charged to
-        one), or a copy moving into a room (its own bytes come with it)."""
-        if isinstance(result, Recharge):
-            return self._make_room({result.tier: rec.copies[result.tier].reserved_bytes}, key, result.room,
-                                   backing=False)
-        needs = {t: self._cost(rec, t) for _, t in result.hops
-                 if t is not Tier.NVME and rec.copies[t].state is _R.ABSENT}
-        return self._make_room(needs, key, pool_of(result.room))
-
-    def _cost(self, rec: KeyRecord, tier: Tier) -> int:
-        return self.pool.buffer_bytes(rec.nbytes) if tier is Tier.HOST else rec.nbytes
-
-    def _issue(self, key: str, op_name: str, plan: Callable, new_record: KeyRecord | None = None) -> cf.Future:
-        """Wait for ``key`` to be idle and for room, then start the Transfer that ``plan`` returns.
-
-        ``plan(rec)`` runs under the lock and returns a future (nothing to move, or a
-        matching operation in flight to share), a Transfer to start, or None: the key is
-        busy with another operation, wait and plan again.
-        """
-        waited_from = None
-        try:
-            while True:
-                spills = None
-                with self._cond:
-                    while True:
-                        if self._closed:
-                            raise StoreError(f"{op_name} {key!r}: the store is closed")
-                        rec = self._keys.get(key)
-                        if rec is None and new_record is None:
-                            raise StoreError(f"{op_name}: unknown key {key!r} (registered: {len(self._keys)} keys)")
-                        # A key being released is waited out: it is gone afterwards (or re-registrable).
-                        result = None if rec is not None and rec.op is not None and rec.op.kind == "release" \
-                            else plan(rec)
-                        if isinstance(result, cf.Future):
-                            return result
-                        made = None if result is None else self._make_room_for(result, rec or new_record, key)
-                        if made is True and isinstance(result, Recharge):
-                            return result.apply(self._accounts[result.tier], self._touch)
-                        if made is True:
-                            rec = rec or new_record
-                            self._begin(rec, result)
-                            break
-                        if made:
-                            spills = made
-                            break
-                        waited_from = waited_from or time.perf_counter()
-                        self._cond.wait()
-                if spills is None:
-                    self._start(rec, result)
-                    return result.future
-                self._start_spills(spills)
-        finally:
-            if waited_from is not None:
-                with self._cond:
-                    self._add_wait(time.perf_counter() - waited_from)
 
     # ------------------------------------------------------------------ small helpers
 
