@@ -24,7 +24,9 @@ import torch
 from infinity.config import IOConfig, format_size
 from infinity.io import aligned_empty, probe_direct_io
 from infinity.precision import choose, hardware_record
-from infinity.profile import COMPUTE_SHAPES, _engine_point, _fs_type
+from infinity.profile.compute import COMPUTE_SHAPES
+from infinity.profile.machine import _fs_type
+from infinity.profile.nvme import _engine_point
 from infinity.store.memory_grant import host_memory
 
 __all__ = ["build_report", "report_lines", "probe_directory", "DEFAULT_PROBE_BYTES"]

@@ -231,7 +231,7 @@ def test_nvme_config_leaves_no_swap_files(tmp_path):
 
 
 def _every_key():
-    from infinity.config import _SECTIONS
+    from infinity.config.sections import _SECTIONS
     import dataclasses
     return [(name, f.name) for name, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]
 

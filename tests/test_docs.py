@@ -60,7 +60,7 @@ def test_reference_yaml_is_the_defaults():
 def _sections() -> dict[str, set]:
     import dataclasses
 
-    from infinity.config import _SECTIONS
+    from infinity.config.sections import _SECTIONS
     from infinity.plan.auto import PLAN_KEYS
     keys = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in _SECTIONS.items()}
     keys["plan"] = set(PLAN_KEYS)

@@ -15,6 +15,7 @@ IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)
 
 
 SAME_LAYER = {"deepspeed_config": "config",   # the DeepSpeed reader sits beside config.py and builds a Config
+              "deepspeed_keys": "config",     # the DeepSpeed key table the reader checks a file against
               "report": "profile"}          # infinity report reuses the profile's probes
 
 

@@ -336,7 +336,7 @@ def bench_formats(shard_numel: int, shards: int, threads: int, reps: int) -> dic
     the fp32 master and fp32 moments, bf16 parameter written back in every case; the formats alternate
     rep by rep so load from other processes hits all alike. The overhead is the formats' conversions
     (join/split of the master, widening/rounding of the moments) over the plain fp32 update."""
-    from infinity.profile import format_states
+    from infinity.profile.cpu_adam import format_states
 
     g = torch.Generator().manual_seed(0)
     states = {}
