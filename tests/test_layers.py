@@ -14,7 +14,7 @@ LEAVES = {"models", "data"}   # the demo model and corpus: usable from anywhere,
 IMPORT = re.compile(r"^\s*(?:from|import) (infinity(?:\.\w+)*)", re.M)
 
 
-SAME_LAYER = {"deepspeed_config": "config",   # the DeepSpeed reader sits beside config.py and builds a Config
+SAME_LAYER = {"deepspeed_config": "config",   # the DeepSpeed reader sits beside config/ and builds a Config
               "deepspeed_keys": "config",     # the DeepSpeed key table the reader checks a file against
               "report": "profile"}          # infinity report reuses the profile's probes
 
