@@ -30,7 +30,9 @@ each built with the few collaborators it uses (never the engine); the engine
 alone drives them, and nothing below calls back up:
 
 - the hooks that drive it from an ordinary forward and ``loss.backward()``,
-  each calling one verb of the engine (:mod:`~infinity.zero.hooks`); the recorded unit order
+  each calling one verb of the engine (the root's and backward's) or of a unit
+  (:class:`~infinity.zero.units.FlatUnit`: its forward, backward, recompute and
+  saves) (:mod:`~infinity.zero.hooks`); the recorded unit order
   (:class:`~infinity.schedule.prefetch.TracePrefetcher`) that both the
   stage-3 gather-ahead and the store prefetch follow;
 - stage 3's gathers within the live-bytes cap (:mod:`~infinity.zero.gathers`);
@@ -51,7 +53,6 @@ while its unit is gathered (``with engine.gathered(): ...``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
 
 import torch
@@ -62,8 +63,6 @@ from infinity.comm.unit_collectives import UnitCollectives
 from infinity.comm.zeropp import ZeroPlusPlus, set_node_layout
 from infinity.config import Config
 from infinity.optim.cpu_adam import write_param_
-from infinity.optim.moment_codes import moment_format
-from infinity.optim.split_master import remainder_of
 from infinity.parallel.norm import TensorParallelNorm
 from infinity.schedule.prefetch import TracePrefetcher
 from infinity.store import TensorStore, host_cache
@@ -81,26 +80,16 @@ from infinity.zero.loss_scale import LossScaler
 from infinity.zero.memory_report import StepMemory, rss_bytes
 from infinity.zero.placement import Placement
 from infinity.zero.stage import StagePolicy
-from infinity.zero.stats import EngineStats
+from infinity.zero.stats import EngineStats, engine_verb
 from infinity.zero.storage_pool import StoragePool
 from infinity.zero.store_shard import store_shards
-from infinity.zero.units import (TensorClass, UnitShard, check_structure, group_index, memory_bytes, plan_units,
-                                 shard_align_numel)
+from infinity.zero.units import (TensorClass, UnitParts, UnitShard, check_structure, group_index, memory_bytes,
+                                 plan_units, shard_align_numel)
 from infinity.zero.schedules import make_schedule
 
 __all__ = ["ZeroEngine", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _engine_time(verb):
-    """Run an engine verb inside :meth:`EngineStats.engine_time`: its time is the engine's, not the model's
-    compute, and its thread's waits are attributed to the phase it runs in (:mod:`infinity.zero.stats`)."""
-    @functools.wraps(verb)
-    def timed(self, *args, **kwargs):
-        with self.stats.engine_time():
-            return verb(self, *args, **kwargs)
-    return timed
 
 
 class ZeroEngine:
@@ -162,11 +151,7 @@ class ZeroEngine:
         self.prefetcher = TracePrefetcher({u.index: u.shard_numel * _itemsize(self.param_dtype) for u in self.units},
                                           config.prefetch.bytes)
 
-        self.loss_scaler = None
-        if self.param_dtype == torch.float16 and config.precision.loss_scale != "none":
-            dynamic = config.precision.loss_scale == "dynamic"
-            scale = config.precision.initial_loss_scale if dynamic else config.precision.loss_scale
-            self.loss_scaler = LossScaler(scale, dynamic, config.precision.loss_scale_window)
+        self.loss_scaler = LossScaler.for_params(self.param_dtype, config.precision)
         # how a unit's bytes move: plain, or ZeRO++'s variants with the same signatures; either way the
         # byte counters get the node layout
         if config.zeropp.enabled:
@@ -206,6 +191,9 @@ class ZeroEngine:
                                        StoragePool(reuse=self.device.type == "cpu")) \
                 if self.policy.shard_params else ReplicatedParams()
             self.memory = StepMemory(baseline_rss_bytes, self.store, self.grads, self.device)
+            parts = UnitParts(self.gathers, self.update, self.activations, self.stats.engine_time)
+            for unit in self.units:   # what the unit hooks' verbs drive
+                unit.bind(parts)
             # swap files and threads go with the engine even if close() is never called: when it is
             # garbage-collected, or at interpreter exit (the callback holds no reference to the engine)
             self._finalizer = weakref.finalize(self, _release, self.update.closer(), self.store)
@@ -257,21 +245,8 @@ class ZeroEngine:
         lo, hi = self.shard_rank * unit.shard_numel, (self.shard_rank + 1) * unit.shard_numel
         shard = self._new_shard(unit) if self.placement.any_offload else UnitShard()
         # stage 3: the shard must own its bytes, the full buffer is freed when the unit is released
-        param_shard = full[lo:hi].clone() if self.policy.shard_params else full[lo:hi]
-        shard.put(TensorClass.PARAM, param_shard)
-        if self.placement.master_is_param(fp32):
-            shard.alias(TensorClass.MASTER, TensorClass.PARAM)
-        else:
-            # an in-memory master must own its bytes (a view would keep the whole fp32 buffer alive);
-            # a stored one is copied by the store anyway
-            master = flat32[lo:hi]
-            if self.placement.split_master:   # only the remainder is kept: the parameter holds the rest
-                master = remainder_of(master)
-            shard.put(TensorClass.MASTER, master if self.placement.optimizer is not None or
-                      self.placement.split_master else master.clone())
-        moments = moment_format(self.placement.moments_format)   # optimizer.moments
-        for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
-            shard.put_zeros(cls, unit.shard_numel, moments.dtype, self.device, layout=moments)
+        self.placement.fill_shard(shard, full[lo:hi].clone() if self.policy.shard_params else full[lo:hi],
+                                  flat32[lo:hi])
         unit.shard, unit.full_param = shard, full
         self.update.prepare_unit(unit)   # update_at speculative: spare copies of what Adam writes
         if self.compute_dtype != self.param_dtype:   # each gather is upcast into it (UnitGathers.gather)
@@ -309,20 +284,18 @@ class ZeroEngine:
                 f"{what} on rank {self.rank} before any backward() since the last step: there are no "
                 "gradients to apply; call loss.backward() first")
 
-    # ------------------------------------------------------------ the hooks' verbs (infinity.zero.hooks)
+    # ------------------------------------------------------------ the model's hook verbs (infinity.zero.hooks)
 
-    @_engine_time
+    @engine_verb
     def root_pre_forward(self, training: bool) -> None:
         """The model's forward starts: stage 3 gathers the root unit, in use until the end of backward."""
         self.notice_aborted_backward()
         self.stats.start("forward")
         self.memory.forward_begins()   # counts saved activations once memory is enabled
-        if self._root is not None:
-            self.update.before_use(self._root)   # next_forward: the root's launched update (used first)
-        if self._root is not None:
-            self.gathers.use_unit(self._root, training)
+        if self._root is not None:   # its launched update (next_forward: used first); stage 3 gathers it
+            self._root.pre_forward(training)
 
-    @_engine_time
+    @engine_verb
     def root_post_forward(self, out, training: bool):
         """The model's forward is done; returns its output (fp16: routed through the loss scale)."""
         self.memory.forward_ends()
@@ -334,45 +307,13 @@ class ZeroEngine:
         self.stats.stop("forward")
         return out
 
-    @_engine_time
-    def unit_pre_forward(self, unit, training: bool) -> None:
-        """A unit's forward starts: its launched update is waited for (next_forward), stage 3 gathers it."""
-        self.update.before_use(unit)
-        self.gathers.use_unit(unit, training)
-
     def drain_update(self) -> None:
         """Wait for an update ``optimizer.step()`` launched (``update_at`` next_forward) to finish:
         before anything reads every shard (a save, ``state_dict``, ``gathered()``, ``close()``). At
         stages 1-2 it joins the updated shards' all-gathers: a collective, every rank calls it."""
         self.update.drain()
 
-    @_engine_time
-    def unit_post_forward(self, unit, training: bool) -> None:
-        if training:
-            self.gathers.after_forward(unit)
-        else:
-            self.gathers.release(unit)
-
-    @_engine_time
-    def unit_pre_backward(self, unit) -> None:
-        """The unit's backward is about to run: in use until its gradients are reduced (then released)."""
-        self.enter_backward()
-        self.gathers.use_unit(unit, training=True)
-
-    @_engine_time
-    def unit_pre_recompute(self, unit) -> None:
-        """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
-        self.gathers.acquire(unit)
-
-    def unit_saves_begin(self, unit) -> None:
-        """The unit's training forward starts: what autograd saves for its backward goes to the tier."""
-        self.activations.begin_unit(unit)
-
-    def unit_saves_end(self, unit) -> None:
-        """The unit's forward ended (or raised): autograd's saves are kept again; a failed write raises."""
-        self.activations.end_unit()
-
-    @_engine_time
+    @engine_verb
     def enter_backward(self) -> None:
         if self.phase is StepPhase.BACKWARD:
             return
@@ -391,7 +332,7 @@ class ZeroEngine:
         # runs once the whole backward pass is done: flush reductions, release stage-3 units
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    @_engine_time
+    @engine_verb
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None:
         """Post-accumulate-grad hook: the parameter's gradient goes into its unit's flat gradient; once the
         unit's reduction is launched, stage 3 releases it."""
@@ -407,7 +348,7 @@ class ZeroEngine:
         for unit in self.grads.take_folded(readable=self.update.overlaps):
             self.update.unit_final(unit, self._backward_multiplier())
 
-    @_engine_time
+    @engine_verb
     def _end_backward(self) -> None:
         with self.update.flushing():   # units final in the flush are updated after it (overlap)
             self.grads.flush()
@@ -442,7 +383,7 @@ class ZeroEngine:
             return torch.tensor(float("inf"))
         return self.grads.clip(max_norm)
 
-    @_engine_time
+    @engine_verb
     def step(self) -> bool:
         """One optimizer step over every shard; False if skipped (fp16 overflow). Atomic from the
         caller's view: if it raises, step counts and loss scale are unchanged and calling it again

@@ -1,7 +1,10 @@
 """The hooks that drive the engine from an ordinary forward and ``loss.backward()``.
 
-Each hook calls one verb of its :class:`HookTarget` (the engine) and reads
-nothing else of it:
+Each hook calls one verb of its :class:`HookTarget` (the engine: the root's
+forward, the start of backward, a parameter's gradient, a state dict's read) or
+of its unit (:class:`UnitTarget`, a :class:`~infinity.zero.units.FlatUnit`,
+FSDP2's ``FSDPParamGroup``: the unit's forward, backward, recompute and saved
+activations), and reads nothing else of them:
 
 - root forward pre-hook: ``root_pre_forward`` (notice a backward that raised
   since the last call; stage 3 gathers the root unit, in use until the end of
@@ -9,14 +12,15 @@ nothing else of it:
 - root forward hook: ``root_post_forward`` (it may wrap the outputs: fp16's
   :class:`ScaleGrad`), then a grad hook on the outputs that marks the start of
   backward (``enter_backward``, which queues the end-of-backward flush).
-- unit forward pre-hook (stage 3): ``unit_pre_forward`` gathers this unit for
+- unit forward pre-hook (stage 3): the unit's ``pre_forward`` gathers it for
   use (within ``prefetch.max_live_bytes``) and, in a training pass, records the
   use in the trace and prefetches along it; ``torch.no_grad()`` passes record nothing.
-- unit forward hook (stage 3): ``unit_post_forward`` releases the unit
+- unit forward hook (stage 3): the unit's ``post_forward`` releases it
   (``reshard_after_forward``) or keeps it for backward, and a grad hook on its
-  outputs calls ``unit_pre_backward`` just before its backward runs.
+  outputs calls ``enter_backward`` (a no-op once backward has begun), then the
+  unit's ``pre_backward``, just before its backward runs.
 - unit forward pre-hook at stages 1-2 with ``optimizer.update_at``
-  next_forward: ``unit_pre_forward`` waits for the unit's update that
+  next_forward: the unit's ``pre_forward`` waits for its update that
   ``optimizer.step()`` launched; a state-dict pre-hook on the model:
   ``drain_update`` (the whole launched update).
 - per-parameter post-accumulate-grad hook: ``param_grad_ready`` moves ``.grad``
@@ -27,12 +31,12 @@ composable activation checkpointing (``torch.distributed._composable.checkpoint`
 hooks, no change to the module tree or names): its activations are recomputed
 in backward. The recompute runs the unit's forward hooks again inside the
 backward pass; there the unit is already gathered for its backward, so the
-pre-hook only makes sure of that (``unit_pre_recompute``) and the post-hook does nothing.
+pre-hook only makes sure of that (the unit's ``pre_recompute``) and the post-hook does nothing.
 
 With ``zero.activation_offload`` each unit module (the root is never one) gets two more hooks around
 everything else: a forward pre-hook ahead of the others (ahead of the checkpoint's too, so the checkpointed
-unit's saved input is caught) calls ``unit_saves_begin`` in a training forward, and a forward hook that
-runs last, also when the forward raised, calls ``unit_saves_end``. Between them autograd's saves go through
+unit's saved input is caught) calls the unit's ``saves_begin`` in a training forward, and a forward hook
+that runs last, also when the forward raised, calls its ``saves_end``. Between them autograd's saves go through
 the engine's :class:`~infinity.zero.activations.ActivationOffload`. A recompute calls neither.
 
 Nothing is attached to parameters or modules beyond these removable handles
@@ -50,7 +54,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from infinity.zero.loss_scale import ScaleGrad
 
-__all__ = ["HookTarget", "install", "output_tensors", "scale_outputs"]
+__all__ = ["HookTarget", "UnitTarget", "install", "output_tensors", "scale_outputs"]
 
 
 def output_tensors(out) -> list:
@@ -94,22 +98,34 @@ def scale_outputs(out, scale: float):
 
 
 class HookTarget(Protocol):
-    """The verbs the hooks call (the engine implements them); each hook is one of these and nothing else."""
+    """The verbs of the whole model the hooks call (the engine implements them)."""
 
     def root_pre_forward(self, training: bool) -> None: ...
     def root_post_forward(self, out, training: bool): ...           # returns the output (fp16 wraps it)
-    def unit_pre_forward(self, unit, training: bool) -> None: ...
-    def unit_post_forward(self, unit, training: bool) -> None: ...
-    def unit_pre_backward(self, unit) -> None: ...
-    def unit_pre_recompute(self, unit) -> None: ...                 # activation checkpointing's rerun
     def enter_backward(self) -> None: ...
     def param_grad_ready(self, unit_index: int, slot_index: int, param) -> None: ...
     def drain_update(self) -> None: ...                            # a launched update finishes first
-    def unit_saves_begin(self, unit) -> None: ...                  # zero.activation_offload
-    def unit_saves_end(self, unit) -> None: ...
 
 
-def install(target: HookTarget, model, units: list, shard_params: bool, checkpoint_units: int = 0,
+class UnitTarget(Protocol):
+    """A unit as the hooks see it: its module, and the verbs of its own step
+    (:class:`~infinity.zero.units.FlatUnit` implements them)."""
+
+    index: int
+    module: torch.nn.Module
+    params: list
+
+    @property
+    def is_root(self) -> bool: ...
+    def pre_forward(self, training: bool) -> None: ...
+    def post_forward(self, training: bool) -> None: ...
+    def pre_backward(self) -> None: ...                             # after the engine's enter_backward
+    def pre_recompute(self) -> None: ...                            # activation checkpointing's rerun
+    def saves_begin(self) -> None: ...                              # zero.activation_offload
+    def saves_end(self) -> None: ...
+
+
+def install(target: HookTarget, model, units: list[UnitTarget], shard_params: bool, checkpoint_units: int = 0,
             wait_units: bool = False, offload_saves: bool = False) -> list:
     """Register every hook on ``model`` and its ``units``' modules (the unit hooks only when
     ``shard_params``: stage 3 gathers per unit; with ``wait_units`` only the unit pre-hooks, which
@@ -145,17 +161,17 @@ def install(target: HookTarget, model, units: list, shard_params: bool, checkpoi
         for unit in units:
             if unit.is_root:
                 continue
-            handles.append(unit.module.register_forward_pre_hook(_unit_pre(target, unit)))
+            handles.append(unit.module.register_forward_pre_hook(_unit_pre(unit)))
             handles.append(unit.module.register_forward_hook(_unit_post(target, unit)))
     elif wait_units:
         for unit in units:
             if not unit.is_root:
-                handles.append(unit.module.register_forward_pre_hook(_unit_pre(target, unit)))
+                handles.append(unit.module.register_forward_pre_hook(_unit_pre(unit)))
 
     if offload_saves:   # last: the pre-hook goes first of all, the post-hook runs after every other
         for unit in units:
             if not unit.is_root:
-                pre, post = _unit_saves(target, unit)
+                pre, post = _unit_saves(unit)
                 handles.append(unit.module.register_forward_pre_hook(pre, prepend=True))
                 handles.append(unit.module.register_forward_hook(post, always_call=True))
 
@@ -181,12 +197,12 @@ def _recomputing() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _unit_pre(target, unit):
+def _unit_pre(unit):
     def pre(module, args):
         if _recomputing():
-            target.unit_pre_recompute(unit)   # gathered for its backward already (a no-op then)
+            unit.pre_recompute()   # gathered for its backward already (a no-op then)
             return
-        target.unit_pre_forward(unit, torch.is_grad_enabled())
+        unit.pre_forward(torch.is_grad_enabled())
     return pre
 
 
@@ -195,26 +211,31 @@ def _unit_post(target, unit):
         if _recomputing():
             return None   # its backward is running and needs the parameters: keep them gathered
         training = torch.is_grad_enabled()
-        target.unit_post_forward(unit, training)
+        unit.post_forward(training)
         if training:
             tensors = output_tensors(out)
             if tensors:
-                register_multi_grad_hook(tensors, lambda grad: target.unit_pre_backward(unit), mode="any")
+                register_multi_grad_hook(tensors, lambda grad: _unit_pre_backward(target, unit), mode="any")
         return None
     return post
 
 
-def _unit_saves(target, unit):
+def _unit_pre_backward(target, unit) -> None:
+    target.enter_backward()   # the step's backward phase first: nothing of the unit's runs outside it
+    unit.pre_backward()
+
+
+def _unit_saves(unit):
     began = []   # whether this forward's pre-hook began routing saves (not in a recompute or no_grad pass)
 
     def pre(module, args):
         if torch.is_grad_enabled() and not _recomputing():
-            target.unit_saves_begin(unit)
+            unit.saves_begin()
             began.append(True)
 
     def post(module, args, out):
         if began:
             began.pop()
-            target.unit_saves_end(unit)
+            unit.saves_end()
         return None
     return pre, post

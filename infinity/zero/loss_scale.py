@@ -40,6 +40,17 @@ class LossScaler:
         self.good_steps = 0
         self.skipped_steps = 0
 
+    @classmethod
+    def for_params(cls, param_dtype: torch.dtype, precision) -> "LossScaler | None":
+        """The scaler ``precision`` (the config's section) asks for parameters of ``param_dtype``: with fp16,
+        ``loss_scale`` dynamic (starting at ``initial_loss_scale``) or a number (static); None for any other
+        dtype, or with ``loss_scale: none``."""
+        if param_dtype != torch.float16 or precision.loss_scale == "none":
+            return None
+        dynamic = precision.loss_scale == "dynamic"
+        return cls(precision.initial_loss_scale if dynamic else precision.loss_scale, dynamic,
+                   precision.loss_scale_window)
+
     def update(self, overflow: bool) -> None:
         if overflow:
             self.skipped_steps += 1

@@ -23,7 +23,10 @@ import math
 from dataclasses import dataclass, field, fields
 
 from infinity.config import Config, ConfigError, format_size
+import torch
+
 from infinity.optim.moment_codes import moment_format
+from infinity.optim.split_master import remainder_of
 from infinity.store import Tier
 from infinity.store.host_pool import ALIGN_BYTES
 from infinity.zero.stage import StagePolicy
@@ -141,6 +144,23 @@ class Placement:
         """Stored bytes per element of each Adam moment (``optimizer.moments``; int8: 65/64, a block's codes and
         its scale: whole blocks give whole bytes, and every shard and chunk is whole blocks)."""
         return moment_format(self.moments_format).itemsize
+
+    def fill_shard(self, shard, param: torch.Tensor, master32: torch.Tensor) -> None:
+        """A new unit shard's classes, by where they live: ``param`` (this rank's parameter shard) as PARAM;
+        the fp32 master from ``master32`` (this rank's slice of the unit's fp32 flat buffer), which is the
+        parameter itself where :meth:`master_is_param`, only the remainder with a split master, and an owned
+        copy when kept in memory (a view would keep the whole fp32 buffer alive; a stored one is copied by
+        the store anyway); Adam's moments zero, in ``optimizer.moments``' format."""
+        shard.put(TensorClass.PARAM, param)
+        if self.master_is_param(param.dtype == torch.float32):
+            shard.alias(TensorClass.MASTER, TensorClass.PARAM)
+        else:
+            master = remainder_of(master32) if self.split_master else master32   # the parameter holds the rest
+            shard.put(TensorClass.MASTER, master if self.optimizer is not None or self.split_master else
+                      master.clone())
+        moments = moment_format(self.moments_format)
+        for cls in (TensorClass.EXP_AVG, TensorClass.EXP_AVG_SQ):
+            shard.put_zeros(cls, param.numel(), moments.dtype, param.device, layout=moments)
 
     def of(self, units, policy: StagePolicy, param_itemsize: int, reduce_itemsize: int) -> "UnitPlacement":
         """This placement handed, once, the units it places, the stage policy and the stored itemsizes of

@@ -21,6 +21,7 @@ by construction; each is non-negative. On CUDA these are host times (time to que
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable
 
@@ -28,7 +29,7 @@ import torch
 
 from infinity.comm.collectives import CommCounters
 
-__all__ = ["EngineStats", "DeviceTimer", "StepAttribution", "TERMS"]
+__all__ = ["EngineStats", "DeviceTimer", "StepAttribution", "TERMS", "engine_verb"]
 
 PHASES = ("forward", "backward", "step")
 # the attributed terms of a phase, in the order they are printed; they sum to its wall time
@@ -122,6 +123,17 @@ class DeviceTimer:
     def reset(self) -> None:
         self._open.clear()
         self._pairs = []
+
+
+def engine_verb(verb):
+    """Run a verb of an object whose ``stats`` is an :class:`EngineStats` inside
+    :meth:`EngineStats.engine_time`: its time is the engine's, not the model's compute, and its thread's
+    waits are attributed to the phase it runs in."""
+    @functools.wraps(verb)
+    def timed(self, *args, **kwargs):
+        with self.stats.engine_time():
+            return verb(self, *args, **kwargs)
+    return timed
 
 
 class EngineStats:

@@ -28,7 +28,10 @@ whether the running optimizer step has updated it, and whether an update of
 its shard runs that its next use must wait for or refuse (:class:`UpdateMark`,
 checked too; a launched update's mark carries the jobs to wait for). The
 gathers, the gradient reducer, the activation offload and the update schedules
-read and set these; what is still kept apart is the cap's release order
+read and set these. The unit hooks call its verbs (:meth:`FlatUnit.pre_forward`,
+``post_forward``, ``pre_backward``, ``pre_recompute``, ``saves_begin``,
+``saves_end``), which drive the parts the engine bound to it once
+(:class:`UnitParts`); what is still kept apart is the cap's release order
 (:class:`~infinity.zero.live_units.LiveUnits`) and its folds left pending, in
 the rank's one queue of them, tagged with the unit, oldest first
 (:class:`~infinity.zero.grad_staging.FoldStaging`: the staging bounds finish
@@ -41,6 +44,7 @@ import contextlib
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -48,7 +52,8 @@ import torch.nn as nn
 from infinity.transitions import Transitions
 
 __all__ = [
-    "DIRECT_IO_ALIGN_BYTES", "UnitState", "UnitUse", "UpdateMark", "TensorClass", "ParamSlot", "FlatUnit", "UnitShard",
+    "DIRECT_IO_ALIGN_BYTES", "UnitState", "UnitUse", "UpdateMark", "TensorClass", "ParamSlot", "UnitParts", "FlatUnit",
+    "UnitShard",
     "choose_unit_modules", "plan_units", "shard_align_numel", "group_index", "check_structure", "memory_bytes",
 ]
 
@@ -132,6 +137,20 @@ def shard_align_numel(dtypes) -> int:
     return max(DIRECT_IO_ALIGN_BYTES // torch.empty((), dtype=d).element_size() for d in dtypes)
 
 
+@dataclass(frozen=True)
+class UnitParts:
+    """What a unit's hook verbs drive, bound once by the engine (none of them holds the engine): stage 3's
+    ``gathers`` (:class:`~infinity.zero.gathers.UnitGathers`; below it the no-op
+    :class:`~infinity.zero.gathers.ReplicatedParams`), the ``update`` schedule (a launched update is
+    waited for before use), the ``activations`` offload (None: ``zero.activation_offload`` is off) and
+    ``timed``, the context the engine's verbs run in (:meth:`~infinity.zero.stats.EngineStats.engine_time`)."""
+
+    gathers: Any
+    update: Any
+    activations: Any
+    timed: Callable[[], contextlib.AbstractContextManager]
+
+
 class FlatUnit:
     """Layout and lifecycle of one unit. Tensors live in :class:`UnitShard` and ``full_param``."""
 
@@ -181,6 +200,51 @@ class FlatUnit:
         self.chunks_updated = 0             # ... or its first chunks so far (a step that failed part-way)
         self.update_mark = UpdateMark.NONE  # an update of its shard runs, not yet waited for (set_update_mark)
         self.launched_jobs: tuple = ()      # LAUNCHED: the names of the update's jobs its next use waits for
+        self.parts: UnitParts | None = None  # what the hook verbs drive (bind)
+
+    # ---- the verbs the unit hooks call (infinity.zero.hooks; FSDP2's FSDPParamGroup.pre_forward and kin)
+
+    def bind(self, parts: UnitParts) -> None:
+        """Give the unit the parts its verbs drive (the engine does, once, before the hooks are installed)."""
+        self.parts = parts
+
+    def pre_forward(self, training: bool) -> None:
+        """The unit's forward starts: its launched update is waited for (``update_at`` next_forward), stage 3
+        gathers it for use (within ``prefetch.max_live_bytes``; a training pass records the use in the trace
+        and prefetches along it)."""
+        with self.parts.timed():
+            self.parts.update.before_use(self)
+            self.parts.gathers.use_unit(self, training)
+
+    def post_forward(self, training: bool) -> None:
+        """The unit's forward is done: a training pass releases it (``reshard_after_forward``) or keeps it for
+        backward; any other pass releases it."""
+        with self.parts.timed():
+            if training:
+                self.parts.gathers.after_forward(self)
+            else:
+                self.parts.gathers.release(self)
+
+    def pre_backward(self) -> None:
+        """The unit's backward is about to run (the engine has entered backward): gathered and in use until
+        its gradients are reduced (then released)."""
+        with self.parts.timed():
+            self.parts.gathers.use_unit(self, training=True)
+
+    def pre_recompute(self) -> None:
+        """Activation checkpointing reruns the unit's forward inside its backward: it is gathered already."""
+        with self.parts.timed():
+            self.parts.gathers.acquire(self)
+
+    def saves_begin(self) -> None:
+        """The unit's training forward starts: what autograd saves for its backward goes to the tier."""
+        self.parts.activations.begin_unit(self)
+
+    def saves_end(self) -> None:
+        """The unit's forward ended (or raised): autograd's saves are kept again; a failed write raises."""
+        self.parts.activations.end_unit()
+
+    # ---- the step's state
 
     def clear_update(self) -> None:
         """A new optimizer step: nothing of this unit's shard is updated yet. The update mark is the
@@ -338,7 +402,7 @@ class UnitShard:
         return [None]
 
     def job_field(self, cls: TensorClass, chunk: int = 0):
-        """What the optimizer :class:`~infinity.optim.pipeline.ShardJob` of chunk ``chunk``
+        """What the optimizer :class:`~infinity.optim.shard_job.ShardJob` of chunk ``chunk``
         takes for ``cls``: a store key, or the in-memory tensor."""
         return self.get(cls)
 
