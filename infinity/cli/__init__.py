@@ -1,7 +1,7 @@
 """The ``infinity`` program: argument handling and output, no logic of its own.
 
 Each sub-command is a module of this package (``estimate``, ``profile``, ``plan``, ``consolidate``,
-``train``, ``sample``, ``report``) with one ``_add_<name>(subparsers)`` that registers its arguments and a
+``train``, ``sample``, ``report``) with one ``add_parser(subparsers)`` that registers its arguments and a
 ``_run_<name>(args) -> int`` that calls into the library and prints. ``main`` returns the exit code; bad
 arguments or inputs print one line on stderr and return 2 (:class:`~infinity.cli.usage.UsageError`); a run
 that fails for a reason outside the program (a full disk, a corrupt checkpoint or swap file, a rank that hung
@@ -15,14 +15,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from infinity.cli.consolidate import _add_consolidate
-from infinity.cli.estimate import _add_estimate
-from infinity.cli.plan import _add_plan
-from infinity.cli.profile import _add_profile
-from infinity.cli.report import _add_report
-from infinity.cli.sample import _add_sample
-from infinity.cli.train import _add_train
-from infinity.cli.usage import UsageError, Parser
+from infinity.cli import consolidate, estimate, plan, profile, report, sample, train
+from infinity.cli.usage import Parser, UsageError
 
 __all__ = ["main"]
 
@@ -30,13 +24,8 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="infinity", description="Train models whose training state is larger than device memory.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
-    _add_train(sub)
-    _add_estimate(sub)
-    _add_profile(sub)
-    _add_plan(sub)
-    _add_consolidate(sub)
-    _add_sample(sub)
-    _add_report(sub)
+    for command in (train, estimate, profile, plan, consolidate, sample, report):   # the order --help lists
+        command.add_parser(sub)
     # --debug after the sub-command too; SUPPRESS keeps the main parser's value when it is not repeated
     parser.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     for p in sub.choices.values():

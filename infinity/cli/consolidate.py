@@ -7,10 +7,11 @@ import json
 from infinity.cli.sizes import decimal_size
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_consolidate"]
+__all__ = ["add_parser"]
 
 
-def _add_consolidate(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity consolidate`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "consolidate", help="sharded checkpoint to one state dict in safetensors files",
         description="Write a checkpoint's model state (every state_dict name, buffers included) as safetensors, "

@@ -8,10 +8,11 @@ import json
 from infinity.cli.sizes import decimal_size
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_estimate"]
+__all__ = ["add_parser"]
 
 
-def _add_estimate(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity estimate`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "estimate", help="model-state memory per tier and communication per step, for each ZeRO stage",
         description="Model-state bytes per rank (device, host, NVMe) and collective volume per step for DDP, "

@@ -8,10 +8,11 @@ import sys
 
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_plan"]
+__all__ = ["add_parser"]
 
 
-def _add_plan(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity plan`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "plan", help="pick every knob from a measured profile: the fastest config that fits, predicted and explained",
         description="Enumerate configs (stage, each tensor class's home, chunk size, overlap, activation "

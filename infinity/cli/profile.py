@@ -9,10 +9,11 @@ import sys
 from infinity.cli.sizes import decimal_size
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_profile"]
+__all__ = ["add_parser"]
 
 
-def _add_profile(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity profile`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "profile", help="measure this machine: memcpy, host<->device, NVMe sweep, CPU Adam, collectives",
         description="Bandwidth profile of this machine (see infinity/profile/). Writes profile.json, whose "

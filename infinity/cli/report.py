@@ -7,10 +7,11 @@ from pathlib import Path
 
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_report"]
+__all__ = ["add_parser"]
 
 
-def _add_report(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity report`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "report", help="what this machine and install can do (as DeepSpeed's ds_report)",
         description="torch, Python, CUDA and device capabilities, the compute dtype precision auto would pick "

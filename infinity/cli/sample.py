@@ -9,10 +9,11 @@ import sys
 
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_sample"]
+__all__ = ["add_parser"]
 
 
-def _add_sample(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity sample`` and its arguments on ``sub``, the program's sub-command parsers."""
     p = sub.add_parser(
         "sample", help="continue a prompt with a model saved by infinity train",
         description="Load a checkpoint saved by `infinity train` (a step directory, or a save directory: its "

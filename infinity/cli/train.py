@@ -10,10 +10,11 @@ from pathlib import Path
 
 from infinity.cli.usage import UsageError
 
-__all__ = ["_add_train"]
+__all__ = ["add_parser"]
 
 
-def _add_train(sub) -> None:
+def add_parser(sub) -> None:
+    """Register ``infinity train`` and its arguments on ``sub``, the program's sub-command parsers."""
     from infinity.train import (DEFAULT_BATCH_SIZE, DEFAULT_MODEL, DEFAULT_SEQ_LEN, DEFAULT_STEPS,
                                 DEFAULT_SWAP_DIR)
     from infinity.train.options import (DEFAULT_EVAL_BATCHES, DEFAULT_EVAL_EVERY, DEFAULT_SAVE_ROOT,
