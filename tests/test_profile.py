@@ -12,10 +12,12 @@ import torch
 
 import infinity
 from infinity import profile as prof
+from infinity.profile import contention as prof_contention, nvme as prof_nvme, timing as prof_timing
+from infinity.profile.memory import FRESH_BYTES
 from infinity.cli import main
 from infinity.config import MASTER_FORMATS, MOMENT_FORMATS
 from infinity.io import probe_direct_io
-from infinity.profile import (COMPUTE_SHAPES, FRESH_BYTES, PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions,
+from infinity.profile import (COMPUTE_SHAPES, PROFILE_JSON, PROFILE_PLOT, STEADY_BYTES, ProfileOptions,
                               best_io, cpu_compute_dtype, measure_collectives, measure_compute, measure_host_device,
                               measure_nvme)
 
@@ -48,7 +50,7 @@ def _disk_gbps(directory: Path, nbytes: int = 64 * MiB) -> float:
 def _memory_gbps(nbytes: int = 128 * MiB) -> float:
     """Host memory GB/s of a tensor copy, bytes read and written counted, best of three."""
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-    best = min(prof._wall_times(lambda: dst.copy_(src), 3))
+    best = min(prof_timing._wall_times(lambda: dst.copy_(src), 3))
     return 2 * nbytes / best / 1e9
 
 
@@ -60,7 +62,7 @@ def quick_profile_work_s(swap: Path, nproc: int = 2) -> float:
     opts = ProfileOptions(quick=True, nproc=nproc)
     base, repeats = opts.base_bytes, opts.repeats
     point = base // 4
-    points = prof._sweep_points(True, point)
+    points = prof_nvme._sweep_points(True, point)
     raw_rows = {(block, threads) for block, threads, _ in points}
     # each written and read: the sweep's points, the raw rows, the mixed point's first write and rounds
     disk_bytes = 2 * point * (len(points) + len(raw_rows) + 1 + repeats)
@@ -73,7 +75,8 @@ def quick_profile_work_s(swap: Path, nproc: int = 2) -> float:
     start_s = (1 + nproc) * (time.perf_counter() - t0)
     compute_s = measure_compute(quick=True)["cpu"]["elapsed_s"]
     # the probe: a warm-up and repeats alone, repeats beside the disk, the disk alone for at least a second
-    contention_s = (1 + 2 * repeats) * prof.CONTENTION_PROBE_S + max(1.0, 2 * prof.CONTENTION_PROBE_S)
+    probe_s = prof_contention.CONTENTION_PROBE_S
+    contention_s = (1 + 2 * repeats) * probe_s + max(1.0, 2 * probe_s)
     return (disk_bytes / 1e9 / _disk_gbps(swap) + (memcpy_bytes + adam_bytes + collective_bytes) / 1e9 / _memory_gbps()
             + start_s + compute_s + contention_s)
 
@@ -235,10 +238,10 @@ def test_a_far_slower_dtype_is_stopped_before_its_full_size_probe(monkeypatch, f
 def test_contention_probe_is_sized_from_the_rate_in_the_dtype_given():
     """The contention probe computes in the dtype it is given, its rows sized so one pass takes about
     CONTENTION_PROBE_S at the measured rate: fewer rows on a slower CPU, within 16 and 2048."""
-    probe, text = prof._contention_probe("fp32", 50.0)
-    assert text.startswith("fp32 (") and prof._contention_rows(50.0, 2048) == 176   # 0.25 s of 67 MFLOP rows
-    assert prof._contention_rows(1.0, 2048) == 16 and prof._contention_rows(1e6, 2048) == 2048
-    _, text = prof._contention_probe("bf16", 1e6)
+    probe, text = prof_contention._contention_probe("fp32", 50.0)
+    assert text.startswith("fp32 (") and prof_contention._contention_rows(50.0, 2048) == 176   # 0.25 s of 67 MFLOP rows
+    assert prof_contention._contention_rows(1.0, 2048) == 16 and prof_contention._contention_rows(1e6, 2048) == 2048
+    _, text = prof_contention._contention_probe("bf16", 1e6)
     assert text.startswith("bf16 (2048 x 2048)")
 
 

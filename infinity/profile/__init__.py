@@ -79,11 +79,6 @@ from infinity.profile.machine import machine_info
 from infinity.profile.memory import measure_host_device, measure_memcpy
 from infinity.profile.nvme import best_io, measure_nvme, measure_nvme_mixed
 from infinity.profile.options import STEADY_BYTES, ProfileError, ProfileOptions, _MiB
-# reached through this module by tests/test_profile.py (``prof._wall_times`` and the like)
-from infinity.profile.contention import CONTENTION_PROBE_S, _contention_probe, _contention_rows  # noqa: F401
-from infinity.profile.memory import FRESH_BYTES  # noqa: F401
-from infinity.profile.nvme import _sweep_points  # noqa: F401
-from infinity.profile.timing import _wall_times  # noqa: F401
 
 __all__ = [
     "ProfileError",
