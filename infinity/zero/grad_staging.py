@@ -52,7 +52,7 @@ CLAIMS_IN_FLIGHT = 8
 class PendingFold:
     """Work left after a fold's copies land: ``finish()`` runs on the thread that calls :meth:`result`,
     once, after every future in ``copies`` is done; ``cleanup()`` runs then too, even if a copy or
-    ``finish`` failed (unpins, gives staging back). Duck-types a Future for the reducer's pending writes.
+    ``finish`` failed (unpins, gives staging back). Waited on like a Future (``done``, ``result``).
 
     ``ordered``: the store itself makes every read of the gradient wait for these copies (a claim with a
     source keeps its key busy until they land), so a reader need not wait for this fold first; an

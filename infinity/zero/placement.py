@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from infinity.config import Config, ConfigError, format_size
 import torch
 
+from infinity.config import Config, ConfigError, format_size
 from infinity.optim.moment_codes import moment_format
 from infinity.optim.split_master import remainder_of
 from infinity.store import Tier
