@@ -101,7 +101,8 @@ def child(a) -> dict:
                          "optimizer_s": t3 - t, "update_at": off.get("update_at", "step"),
                          "speculation": off.get("speculation"), "spills": off.get("spills"),
                          "disk_read_bytes": off.get("moved_bytes", {}).get("nvme->host", 0),
-                         "disk_write_bytes": off.get("moved_bytes", {}).get("host->nvme", 0)})
+                         "disk_write_bytes": off.get("moved_bytes", {}).get("host->nvme", 0),
+                         "fold_staging": off.get("fold_staging")})
             print(f"[{a.variant}] step {step}{' (warm-up)' if step < a.warmup else ''} loss {loss_sum:.4f} "
                   f"norm {norm} {t3 - t0:.2f}s (fwd {fwd:.2f} bwd {bwd:.2f} step {t3 - t:.2f})", file=sys.stderr,
                   flush=True)

@@ -176,7 +176,7 @@ class ZeroEngine:
                                          budgets=budgets)   # "auto" measured once, checked above
                 self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
             if self.placement.any_offload:
-                self._new_shard = store_shards(self.store, self.placement, budgets)
+                self._new_shard = store_shards(self.store, self.placement, budgets, config.schedule.accum_steps)
             self.activations = ActivationOffload(self.store, config.zero.activation_offload, self.device,
                                                  config.prefetch.bytes) if offload_activations else None
             self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,
@@ -434,6 +434,9 @@ class ZeroEngine:
             self.tp.coll.counters.reset()
             self.world_coll.counters.reset()
         self.update.end_step(self.stats.last_step, self.prefetcher.state.value)
+        folds = self.grads.fold_stats()
+        if folds is not None:   # stored gradients: their staging, reserved at initialize, and its use
+            self.stats.last_step["offload"]["fold_staging"] = folds
         if self.memory.enabled:
             resident = self.resident_bytes()
             resident.pop("store", None)
@@ -561,11 +564,11 @@ class ZeroEngine:
             raise errors[0]
 
     def _finish_folds(self) -> None:
-        """Folds whose copies may still be in flight land (and give their staging back) before the store
-        closes; an error of theirs is not this close's to raise."""
+        """Folds whose copies may still be in flight land before the store closes, and the staging buffers
+        reserved for them go back; an error of theirs is not this close's to raise."""
         grads = getattr(self, "grads", None)
         if grads is not None:
-            grads.wait_writes(raise_errors=False)
+            grads.close()   # and the staging reserved for them back to the store
 
     def _remove_hooks(self) -> None:
         for h in self._handles:

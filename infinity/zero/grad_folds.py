@@ -133,6 +133,12 @@ class FoldedGrads(GradReducer):
     def wait_writes(self, raise_errors: bool = True) -> None:
         self.staging.finish_all(raise_errors)
 
+    def close(self) -> None:
+        self.staging.close()
+
+    def fold_stats(self) -> dict | None:
+        return self.staging.stats() if self.staging.store is not None else None
+
     def zero(self) -> None:
         super().zero()
         self._folded = []

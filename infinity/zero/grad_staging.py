@@ -21,12 +21,15 @@ Why fold on the host after the copy lands, not on the device: a device fold
 would bring the stored sum to the device and the new sum back, twice the PCIe
 bytes of the host fold and a device buffer of each shard's size, to save one
 host ``add_`` of a shard, which CPU memory bandwidth does far faster than the
-copy itself. The price is staging memory: :class:`FoldStaging` holds at most
-``max_buffers`` staging buffers (host scratch counted against the host tier),
-and a fold that would need one more first finishes the oldest. Where the host
-tier has no room for even one (a budget at its minimum, which holds the homes
-and one optimizer job, not staging), the fold is done the blocking way,
-counted in ``blocking_folds``.
+copy itself. The price is staging memory, reserved up front: :class:`FoldStaging`
+takes its ``max_buffers`` staging buffers from the host tier when it is built
+(the engine sizes them out of what the host budget holds beyond the minimum
+:meth:`~infinity.zero.placement.UnitPlacement.min_budgets` enforces:
+:func:`~infinity.zero.store_shard.store_shards`) and keeps them until it is
+closed; a fold that needs one while all are in flight first finishes the
+oldest fold. With none reserved (a budget at its minimum, which holds the homes
+and one optimizer job, not staging) every accumulation is summed the blocking
+way, counted in ``blocking_folds``.
 """
 
 from __future__ import annotations
@@ -110,28 +113,42 @@ class FoldStaging:
     (:meth:`finish_unit`), and every one before the step reads a gradient (:meth:`finish_all`). A fold
     that failed once finished is kept, and raised by :meth:`finish_all`.
 
-    ``max_buffers`` staging buffers for accumulations at once, from ``store``'s host scratch (pinned on
-    CUDA, counted against the host tier); ``max_claims`` first gradients whose copy may still be in
+    ``max_buffers`` staging buffers of ``buffer_bytes`` each for accumulations in flight at once, reserved
+    from ``store``'s host scratch (pinned on CUDA, counted against the host tier) when this is built and
+    given back by :meth:`close`; none (``buffer_bytes`` 0, or ``max_buffers`` 0): every accumulation is
+    summed the blocking way (:meth:`stages` is False). ``max_claims`` first gradients whose copy may still be in
     flight, each of which keeps its device source (a reduce-scatter's output) alive until it lands, so
     this bounds the device memory that copies behind the compute stream hold. A fold past a bound
     first finishes the oldest one. ``peak_buffers`` / ``peak_bytes``: the most staging held at once;
     ``waits``: folds that had to finish an older one first. ``store`` None: a rank whose gradients live
     in memory (every fold is done at once; nothing is ever queued)."""
 
-    def __init__(self, store=None, max_buffers: int = STAGING_BUFFERS, max_claims: int = CLAIMS_IN_FLIGHT):
-        if max_buffers < 1 or max_claims < 1:
-            raise ValueError(f"FoldStaging: max_buffers and max_claims must be >= 1, got {max_buffers}, {max_claims}")
-        self.store, self.max_buffers, self.max_claims = store, max_buffers, max_claims
+    def __init__(self, store=None, max_buffers: int = STAGING_BUFFERS, max_claims: int = CLAIMS_IN_FLIGHT,
+                 buffer_bytes: int = 0):
+        if max_buffers < 0 or max_claims < 1 or buffer_bytes < 0:
+            raise ValueError(f"FoldStaging: max_buffers and buffer_bytes must be >= 0 and max_claims >= 1, got "
+                             f"{max_buffers}, {buffer_bytes}, {max_claims}")
+        self.store, self.max_claims = store, max_claims
+        self.buffer_bytes = buffer_bytes if max_buffers and store is not None else 0
         self._queue: collections.deque = collections.deque()   # (unit index, PendingFold), oldest first
         self._failed: list = []             # finished before finish_all, but failed: raised by it
         self.held_buffers = 0
         self.claims_in_flight = 0
         self.peak_claims = 0
-        self.blocking_folds = 0   # accumulations summed the blocking way: no host room for staging
+        self.blocking_folds = 0   # accumulations summed the blocking way: no staging buffer reserved for them
         self._held_bytes = 0
         self.peak_buffers = 0
         self.peak_bytes = 0
         self.waits = 0
+        self._free: list = []   # the reserved staging buffers not held by a fold in flight
+        try:
+            for _ in range(max_buffers if self.buffer_bytes else 0):
+                self._free.append(store.host_scratch(self.buffer_bytes))
+        except BaseException:
+            self.close()
+            raise
+        self.max_buffers = len(self._free)
+        self.reserved_bytes = sum(b.numel() for b in self._free)   # what the store counts for them
 
     # ------------------------------------------------------------ the queue
 
@@ -187,14 +204,21 @@ class FoldStaging:
 
     # ------------------------------------------------------------ staging
 
+    def stages(self, src: torch.Tensor) -> bool:
+        """Whether ``src`` fits a reserved staging buffer (else its fold is summed the blocking way)."""
+        return src.numel() * src.element_size() <= self.buffer_bytes
+
     def stage(self, unit: int, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
-        """Unit ``unit``'s fold, queued: copy ``src`` (device) into a staging buffer on the device->host
-        lane; once it and the futures in ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`),
-        then the buffer goes back, then ``cleanup()``. Without host room for the buffer once the folds in
-        flight are finished, this raises BudgetError (the caller folds the blocking way)."""
-        self._make_way(lambda: self.held_buffers >= self.max_buffers)
+        """Unit ``unit``'s fold, queued: copy ``src`` (device) into a reserved staging buffer on the
+        device->host lane (all of them held: the oldest fold is finished first); once it and the futures in
+        ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
+        ``cleanup()``. ``src`` must fit a buffer (:meth:`stages`)."""
         nbytes = src.numel() * src.element_size()
-        buf = self.with_room(lambda: self.store.host_scratch(nbytes))
+        if nbytes > self.buffer_bytes:
+            raise ValueError(f"FoldStaging: a {nbytes}-byte fold does not fit its {self.buffer_bytes}-byte "
+                             "staging buffers (ask stages() first)")
+        self._make_way(lambda: not self._free)
+        buf = self._free.pop()
         staged = buf[:nbytes].view(src.dtype).view(src.shape)
         self.held_buffers += 1
         self._held_bytes += buf.numel()
@@ -234,18 +258,22 @@ class FoldStaging:
         return fold
 
     def _make_way(self, over_bound) -> None:
-        """Retire the folds at the head that have landed (no wait), then the oldest while ``over_bound()``."""
+        """Retire the folds at the head that have landed (no wait), then the oldest while ``over_bound()``
+        (what is over a bound is held by the folds queued: finishing them gives it back)."""
         self.finish_landed()
         while self._queue and over_bound():
             self.waits += 1
             self._retire()
+        if over_bound():
+            raise RuntimeError("FoldStaging: a bound is held with no fold in flight to give it back")
 
     def with_room(self, attempt):
-        """``attempt()`` (a store call for host room); refused for room (BudgetError) while folds in flight
-        hold some (their pinned sums, their staging), the oldest is finished and it is tried again: the
-        folds in flight never need more room than one fold done the blocking way. Refused with none in
-        flight, the error stands. The folds are this rank's own work: nothing here waits for another
-        party's memory (an overlapped update's copies live in a room of their own)."""
+        """``attempt()`` (a store call for host room: a first gradient's claimed copy, an accumulation's
+        brought sum); refused for room (BudgetError) while folds in flight hold some (their pinned sums,
+        their claimed copies), the oldest is finished and it is tried again: the folds in flight never
+        need more room than one fold done the blocking way. Refused with none in flight, the error
+        stands. The folds are this rank's own work: nothing here waits for another party's memory (an
+        overlapped update's copies live in a room of their own, staging in buffers reserved up front)."""
         while True:
             try:
                 return attempt()
@@ -257,10 +285,20 @@ class FoldStaging:
     def _give_back(self, buf: torch.Tensor) -> None:
         self.held_buffers -= 1
         self._held_bytes -= buf.numel()
-        self.store.release_scratch(buf)
+        self._free.append(buf)
+
+    def close(self) -> None:
+        """Give the reserved staging buffers back to the store (every fold finished first: no copy may still
+        land in one). Idempotent."""
+        self.finish_all(raise_errors=False)
+        free, self._free = self._free, []
+        for buf in free:
+            self.store.release_scratch(buf)
+        self.reserved_bytes = 0
 
     def stats(self) -> dict:
-        return {"max_buffers": self.max_buffers, "held_buffers": self.held_buffers,
+        return {"max_buffers": self.max_buffers, "buffer_bytes": self.buffer_bytes,
+                "reserved_bytes": self.reserved_bytes, "held_buffers": self.held_buffers,
                 "max_claims": self.max_claims, "claims_in_flight": self.claims_in_flight,
                 "peak_claims": self.peak_claims, "blocking_folds": self.blocking_folds,
                 "peak_buffers": self.peak_buffers, "peak_bytes": self.peak_bytes, "waits": self.waits}

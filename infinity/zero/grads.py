@@ -213,6 +213,15 @@ class GradReducer(abc.ABC):
     def wait_writes(self, raise_errors: bool = True) -> None:
         """Wait for folded gradients still being written (stages 2-3); a failed write is raised here."""
 
+    def close(self) -> None:
+        """Finish every fold still in flight, its error not raised, and give back what is held for the run
+        (stages 2-3: the staging buffers reserved for folds). Idempotent."""
+
+    def fold_stats(self) -> dict | None:
+        """Stages 2-3 with stored gradients: the fold staging's counters since initialize
+        (:meth:`~infinity.zero.grad_staging.FoldStaging.stats`); else None."""
+        return None
+
     def finish(self, loss_scale: float | None) -> bool:
         """Complete reduction (stage 1: the reduce-scatter) and fold fp16 unscaling into the
         multiplier; returns True if any rank's gradients overflowed."""

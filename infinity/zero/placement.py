@@ -230,6 +230,15 @@ class UnitPlacement(Placement):
             device_why = f"the all-gather of unit {largest.name!r} reads {device} bytes of its parameter shard there"
         return {Tier.HOST: (host, why), Tier.DEVICE: (device, device_why)}
 
+    def fold_staging_bytes(self) -> int:
+        """The largest accumulation a gradient fold stages in host memory: one chunk of a stored gradient
+        shard (:mod:`infinity.zero.grad_staging`); 0 when gradients are not stored."""
+        itemsize = self.stored_itemsizes().get(TensorClass.GRAD)
+        if itemsize is None:
+            return 0
+        chunk = self.chunk_numel()
+        return max(int(itemsize * min(u.shard_numel, chunk)) for u in self.units)
+
     def host_working_set(self) -> tuple:
         """``(homed, worst, worst_unit, deferred, chunk_job)``: bytes of host-homed shards; the largest
         optimizer job's host bytes and its unit's name; whether gradient writes are deferred; and the

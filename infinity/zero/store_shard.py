@@ -41,12 +41,12 @@ import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
 from infinity.store import BudgetError, TensorStore, Tier
-from infinity.zero.grad_staging import FoldStaging, PendingFold
+from infinity.zero.grad_staging import STAGING_BUFFERS, FoldStaging, PendingFold
 from infinity.zero.pins import PinOwner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, UnitPlacement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
 
-__all__ = ["StoreUnitShard", "LentCopies", "store_shards"]
+__all__ = ["StoreUnitShard", "LentCopies", "store_shards", "fold_staging"]
 
 
 class LentCopies:
@@ -371,17 +371,17 @@ class StoreUnitShard(UnitShard):
             if brought.exception() is None:   # done by now: the fold waited for it
                 self.store.unpin(key, Tier.HOST, owner)
 
-        try:
-            return self.staging.stage(self.unit_index, part, finish, cleanup=unpin, after=[brought])
-        except BudgetError:
-            # no host room for a staging buffer, and no fold in flight to free some (a host budget at
-            # its minimum: the homes and one optimizer job): this one is summed the blocking way
+        if not self.staging.stages(part):
+            # no staging buffer reserved (a host budget too near its minimum, the homes and one optimizer
+            # job, to set two aside): this one is summed the blocking way
             self.staging.blocking_folds += 1
             try:
                 finish(part.to(brought.result().device))
             finally:
                 unpin()
             return None
+        try:
+            return self.staging.stage(self.unit_index, part, finish, cleanup=unpin, after=[brought])
         except BaseException:
             cf.wait([brought])
             unpin()
@@ -463,21 +463,41 @@ class StoreUnitShard(UnitShard):
         super().release()
 
 
-def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict):
+def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict, accum_steps: int = 1):
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
     the resident chunks :meth:`UnitPlacement.host_resident_plan` picks within the host budget (``budgets``:
     bytes per tier), streaming the optimizer states when :meth:`UnitPlacement.streams_optimizer` says so and
     writing a speculation's kept gradients home when :meth:`UnitPlacement.writes_kept_grads` does;
     every shard made by one factory shares one :class:`LentCopies` and one
-    :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's)."""
-    lent, staging = LentCopies(store), FoldStaging(store)
+    :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's),
+    whose buffers :func:`fold_staging` reserves here, before the first step, when a step accumulates
+    (``accum_steps``, ``schedule.accum_steps``)."""
     host = budgets[Tier.HOST]
     chunk = placement.chunk_numel()
     plan = placement.host_resident_plan(placement.resident_room(host))
+    staging = fold_staging(store, placement, host - placement.resident_bytes(plan), accum_steps)
+    host -= staging.reserved_bytes   # set aside for good: what the rest of the step sizes itself by
     stream = placement.streams_optimizer(plan, host)
     write_kept = placement.writes_kept_grads(plan, host)
+    lent = LentCopies(store)
     return lambda unit: StoreUnitShard(store, unit.index, placement, lent, chunk_bounds(unit.shard_numel, chunk),
                                        plan.get(unit.index, frozenset()), stream, staging, write_kept)
+
+
+def fold_staging(store: TensorStore, placement: UnitPlacement, host_bytes: int, accum_steps: int) -> FoldStaging:
+    """The rank's :class:`~infinity.zero.grad_staging.FoldStaging`, its staging buffers reserved now: up to
+    :data:`~infinity.zero.grad_staging.STAGING_BUFFERS` of the largest accumulation a fold stages
+    (:meth:`UnitPlacement.fold_staging_bytes`), as many as ``host_bytes`` (the host budget less what
+    resident chunks hold) keeps beyond :meth:`UnitPlacement.min_budgets`' host minimum, so the rest of
+    the step keeps all the room it needs. None when a step does not accumulate (``accum_steps`` 1: every
+    fold is a first gradient's, which stages nothing) or none fit: every accumulation is then summed
+    the blocking way."""
+    need = placement.fold_staging_bytes() if accum_steps > 1 else 0
+    if not need:
+        return FoldStaging(store, max_buffers=0)
+    spare = host_bytes - placement.min_budgets()[Tier.HOST][0]
+    count = min(STAGING_BUFFERS, max(0, spare) // store.pool.buffer_bytes(need))
+    return FoldStaging(store, max_buffers=count, buffer_bytes=need)
 
 
 def _all_of(futures: list) -> cf.Future:

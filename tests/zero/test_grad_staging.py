@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import infinity
+import offload_cases
+import zero_cases
 from gated_copier import GatedCopier
 from infinity.comm.collectives import LocalCollectives
 from infinity.comm.unit_collectives import UnitCollectives
@@ -19,7 +23,7 @@ from infinity.zero.grad_staging import FoldStaging
 from infinity.zero.grads import GradReducer, make_grad_reducer
 from infinity.zero.placement import Placement
 from infinity.zero.stage import StagePolicy
-from infinity.zero.store_shard import LentCopies, StoreUnitShard
+from infinity.zero.store_shard import LentCopies, StoreUnitShard, fold_staging
 from infinity.zero.units import TensorClass, UnitShard
 from unit_parts import Blocks, make_units
 
@@ -52,7 +56,8 @@ def test_folds_give_the_blocking_paths_bytes_and_return_before_the_copy_lands(tm
     copier = GatedCopier(open_gate=False)
     store = _store(tmp_path, copier)
     try:
-        shard = StoreUnitShard(store, 0, _placement(grads, defer), LentCopies(store), chunks)
+        staging = FoldStaging(store, buffer_bytes=NUMEL * 4)   # a whole shard's accumulation fits a buffer
+        shard = StoreUnitShard(store, 0, _placement(grads, defer), LentCopies(store), chunks, staging=staging)
         shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
         plain = UnitShard()
         plain.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
@@ -68,8 +73,10 @@ def test_folds_give_the_blocking_paths_bytes_and_return_before_the_copy_lands(tm
         copier.gate.set()
         assert torch.equal(shard.read(TensorClass.GRAD), plain.get(TensorClass.GRAD))
         assert torch.equal(plain.get(TensorClass.GRAD), parts[2] + parts[3])
-        assert shard.staging.held_buffers == 0 and store.stats()["scratch_bytes"] == 0
+        assert shard.staging.held_buffers == 0 and store.stats()["scratch_bytes"] == staging.reserved_bytes
         shard.release()
+        staging.close()
+        assert store.stats()["scratch_bytes"] == 0
     finally:
         store.close()
         copier.close()
@@ -85,7 +92,8 @@ def _stored_units(store, grads="nvme"):
     units = make_units(Blocks(width=64))
     # one queue of pending folds for the rank's shards, its bounds wide enough that no fold here waits for
     # another (the bounds have a test of their own)
-    staging = FoldStaging(store, max_buffers=len(units), max_claims=len(units))
+    staging = FoldStaging(store, max_buffers=len(units), max_claims=len(units),
+                          buffer_bytes=max(u.shard_numel for u in units) * 4)
     for unit in units:   # gradient shards in the store (the engine's store_shards does this)
         unit.shard = StoreUnitShard(store, unit.index, _placement(grads), LentCopies(store), staging=staging)
     return units
@@ -204,7 +212,9 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
     copier = GatedCopier(delay_s=0.02)
     store = _store(tmp_path, copier)
     try:
-        staging = FoldStaging(store, max_buffers=2, max_claims=3)
+        chunk_bytes = NUMEL // 4 * 4
+        staging = FoldStaging(store, max_buffers=2, max_claims=3, buffer_bytes=chunk_bytes)
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 2 * chunk_bytes   # reserved up front
         shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), QUARTERS, staging=staging)
                   for i in range(2)]
         parts = _grads(3, seed=4)
@@ -216,37 +226,58 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
                 writes.append(shard.fold_grad(part.clone(), first=i == 0))
         for w in writes:
             w.result()
-        chunk_bytes = NUMEL // 4 * 4
         assert staging.peak_buffers == 2 and staging.peak_claims == 3 and staging.waits > 0, staging.stats()
         assert staging.peak_bytes <= 2 * chunk_bytes
-        assert store.stats()["scratch_peak_bytes"] <= 2 * chunk_bytes and store.stats()["scratch_bytes"] == 0
+        assert store.stats()["scratch_peak_bytes"] <= 2 * chunk_bytes
         want = (parts[0] + parts[1]) + parts[2]
         for shard in shards:
             assert torch.equal(shard.read(TensorClass.GRAD), want)
         assert staging.held_buffers == 0 and staging.claims_in_flight == 0
-        with pytest.raises(ValueError, match="must be >= 1"):
-            FoldStaging(store, max_buffers=0)
+        staging.close()
+        assert store.stats()["scratch_bytes"] == 0
+        with pytest.raises(ValueError, match="must be >= 0 and max_claims >= 1"):
+            FoldStaging(store, max_claims=0)
     finally:
         store.close()
         copier.close()
 
 
-def test_an_accumulation_with_no_host_room_for_staging_is_summed_the_blocking_way(tmp_path):
-    """A host tier that holds the host-homed gradient and nothing more (a budget at its minimum) leaves
-    no room for a staging buffer: the fold sums in place, as before, and says so in the stats."""
-    copier = GatedCopier()
-    store = _store(tmp_path, copier, host_bytes=NUMEL * 4)
+@pytest.mark.parametrize("beyond_least, buffers", ((0, 0), (0.99, 0), (1, 1), (3, 2)))
+def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(tmp_path, beyond_least, buffers):
+    """store_shards' staging sets aside up to two buffers, each the largest gradient chunk a fold stages,
+    out of the host budget beyond the minimum initialize enforces, before the first step of a run whose
+    steps accumulate (none when they do not); the store counts them until they are given back. At the minimum none: an accumulation is summed the blocking way (bitwise
+    the same sum, counted); above it each accumulation is staged while its copy is in flight."""
+    units = [SimpleNamespace(index=0, name="u0", shard_numel=NUMEL, is_root=False)]
+    placement = _placement("host").of(units, StagePolicy.of(2), 4, 4)
+    buffer = placement.fold_staging_bytes()
+    assert buffer == NUMEL * 4   # one whole-shard chunk of fp32 gradient
+    host = placement.min_budgets()[Tier.HOST][0] + int(beyond_least * buffer)
+    copier = GatedCopier(open_gate=False)
+    store = _store(tmp_path, copier, host_bytes=host)
+    assert fold_staging(store, placement, host, accum_steps=1).max_buffers == 0   # no accumulation: none
+    staging = fold_staging(store, placement, host, accum_steps=2)
     try:
-        shard = StoreUnitShard(store, 0, _placement("host"), LentCopies(store))
+        assert staging.max_buffers == buffers
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == buffers * buffer
+        shard = StoreUnitShard(store, 0, placement, LentCopies(store), staging=staging)
         shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
         a, b = _grads(2, seed=5)
-        for first, part in ((True, a), (False, b)):
-            write = shard.fold_grad(part.clone(), first)
-            if write is not None:
-                write.result()
-        assert shard.staging.blocking_folds == 1 and shard.staging.peak_buffers == 0
+        copier.gate.set()
+        shard.fold_grad(a.clone(), first=True).result()
+        copier.gate.clear()
+        write = shard.fold_grad(b.clone(), first=False)
+        assert (write is not None and not write.done()) == bool(buffers), "staged while its copy is in flight"
+        copier.gate.set()
+        if write is not None:
+            write.result()
+        assert staging.blocking_folds == (0 if buffers else 1) and staging.peak_buffers == min(buffers, 1)
         assert torch.equal(shard.read(TensorClass.GRAD), a + b)
+        shard.release()
     finally:
+        copier.gate.set()
+        staging.close()
+        assert store.stats()["scratch_bytes"] == 0
         store.close()
         copier.close()
 
@@ -259,7 +290,7 @@ def test_every_pending_fold_is_in_the_ranks_one_queue_by_unit(tmp_path):
     copier = GatedCopier(open_gate=False)
     store = _store(tmp_path, copier)
     try:
-        staging = FoldStaging(store, max_buffers=4, max_claims=4)
+        staging = FoldStaging(store, max_buffers=4, max_claims=4, buffer_bytes=NUMEL * 4)
         shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), staging=staging) for i in range(2)]
         for shard in shards:
             shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
@@ -290,9 +321,11 @@ def test_every_pending_fold_is_in_the_ranks_one_queue_by_unit(tmp_path):
         staging.finish_all()   # raised once
         assert torch.equal(shards[0].read(TensorClass.GRAD), a + c)
         assert torch.equal(shards[1].read(TensorClass.GRAD), b + d)
-        assert staging.held_buffers == 0 and store.stats()["scratch_bytes"] == 0
+        assert staging.held_buffers == 0 and store.stats()["scratch_bytes"] == staging.reserved_bytes
         for shard in shards:
             shard.release()
+        staging.close()
+        assert store.stats()["scratch_bytes"] == 0
         units = _stored_units(store)
         units[0].shard = StoreUnitShard(store, 0, _placement("nvme"), LentCopies(store))   # a queue of its own
         with pytest.raises(ValueError, match="share one FoldStaging"):
@@ -312,3 +345,44 @@ def _fold_alone(shard, part, first: bool):
     t.join(30)
     assert out, f"folding unit {shard.unit_index} waited for another unit's fold"
     return out[0]
+
+
+def _accumulating_run(tmp_path, accum_steps: int, host_bytes: int) -> tuple:
+    """Two steps of two micro-batches each (GPT test model, stage 3, every class on NVMe, the update at the
+    step whatever ``accum_steps`` says), the engine told ``accum_steps``: the losses, the parameters, and each step's fold staging stats."""
+    spec = dict(stage=3, lr=1e-2, optimizer={"update_at": "step"}, host_bytes=host_bytes,
+                offload=dict(optimizer="nvme", params="nvme", grads="nvme"),
+                tmp=str(tmp_path / f"accum{accum_steps}-{host_bytes}"), schedule={"accum_steps": accum_steps})
+    model, opt = infinity.initialize(offload_cases.build("gpt"), offload_cases.offload_config(spec, rank=0))
+    engine = infinity.engine_of(model)
+    losses, stats = [], []
+    try:
+        for step in range(2):
+            losses.append(zero_cases.backward_on_share(model, zero_cases.global_batch(step, 8), 0, 1, accum=2))
+            opt.step()
+            opt.zero_grad()
+            stats.append(engine.stats.last_step["offload"]["fold_staging"])
+        with engine.gathered():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        engine.close()
+    return losses, params, stats
+
+
+def test_the_engine_reserves_staging_when_its_steps_accumulate_and_reports_its_use(tmp_path):
+    """initialize with stored gradients and ``schedule.accum_steps`` 2 reserves two staging buffers of the
+    largest gradient chunk (the budget holds them beyond its minimum), every accumulation is staged, none
+    summed the blocking way, and each step's offload stats say so; told ``accum_steps`` 1 it reserves none
+    and the same accumulations are summed the blocking way; the results are bitwise the same."""
+    staged = _accumulating_run(tmp_path, accum_steps=2, host_bytes=4 << 20)
+    blocking = _accumulating_run(tmp_path, accum_steps=1, host_bytes=4 << 20)
+    for s in staged[2]:
+        assert s["max_buffers"] == 2 and s["reserved_bytes"] >= 2 * s["buffer_bytes"] > 0, s
+        assert s["peak_buffers"] >= 1 and s["blocking_folds"] == 0 and s["held_buffers"] == 0, s
+    for s in blocking[2]:
+        assert s["max_buffers"] == 0 and s["reserved_bytes"] == 0 and s["peak_buffers"] == 0, s
+    folds = [s["blocking_folds"] for s in blocking[2]]   # counted since initialize: each step adds its own
+    assert 0 < folds[0] < folds[1], folds
+    assert staged[0] == blocking[0]
+    for n, p in blocking[1].items():
+        assert torch.equal(staged[1][n], p), n
