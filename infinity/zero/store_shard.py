@@ -274,8 +274,9 @@ class StoreUnitShard(UnitShard):
             # the pin's owner is this gather, not a thread: the unpin may come from another one (on CUDA
             # autograd runs backward hooks on its device thread)
             owner = PinOwner.gather(self.unit_index)
-            # room the gradient folds in flight hold (their pinned sums, their staging) is freed by finishing
-            # them, which only a caller does: refused room, the gather finishes the oldest and tries again
+            # room the gradient folds in flight hold (their pinned sums, their claimed copies) is freed by
+            # finishing them, which only a caller does: refused room, the gather finishes the oldest and
+            # tries again
             src = self.store.wait(self.staging.with_room(lambda: self.store.bring(keys[0], tier, pin=True,
                                                                                   owner=owner)))
             return src, lambda: self.store.unpin(keys[0], tier, owner)
