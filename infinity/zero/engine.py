@@ -176,7 +176,7 @@ class ZeroEngine:
                                          budgets=budgets)   # "auto" measured once, checked above
                 self.stats.io_clock = self.store.thread_wait_s   # store waits attributed per phase
             if self.placement.any_offload:
-                self._new_shard = store_shards(self.store, self.placement, budgets, config.schedule.accum_steps)
+                self._new_shard = store_shards(self.store, self.placement, budgets)
             self.activations = ActivationOffload(self.store, config.zero.activation_offload, self.device,
                                                  config.prefetch.bytes) if offload_activations else None
             self.update = make_schedule(config.update_schedule().at, self.units, self.store, self.coll, self.policy,

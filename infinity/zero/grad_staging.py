@@ -21,15 +21,17 @@ Why fold on the host after the copy lands, not on the device: a device fold
 would bring the stored sum to the device and the new sum back, twice the PCIe
 bytes of the host fold and a device buffer of each shard's size, to save one
 host ``add_`` of a shard, which CPU memory bandwidth does far faster than the
-copy itself. The price is staging memory, reserved up front: :class:`FoldStaging`
-takes its ``max_buffers`` staging buffers from the host tier when it is built
-(the engine sizes them out of what the host budget holds beyond the minimum
-:meth:`~infinity.zero.placement.UnitPlacement.min_budgets` enforces:
-:func:`~infinity.zero.store_shard.store_shards`) and keeps them until it is
-closed; a fold that needs one while all are in flight first finishes the
-oldest fold. With none reserved (a budget at its minimum, which holds the homes
-and one optimizer job, not staging) every accumulation is summed the blocking
-way, counted in ``blocking_folds``.
+copy itself. The price is staging memory, reserved when the phase that needs
+it starts: the first accumulation a fold stages after the step last read the
+gradients sets :class:`FoldStaging`'s ``max_buffers`` staging buffers aside from
+the host tier (the engine sizes them out of what the host budget holds beyond
+the minimum :meth:`~infinity.zero.placement.UnitPlacement.min_budgets`
+enforces: :func:`~infinity.zero.store_shard.fold_staging`), and the step's
+wait for every fold (:meth:`FoldStaging.finish_all`) gives them back. A fold
+that needs one while all are in flight first finishes the oldest fold. With
+none (a budget at its minimum, which holds the homes and one optimizer job, not
+staging; or a tier that cannot set them aside when the phase starts) the
+accumulation is summed the blocking way, counted in ``blocking_folds``.
 """
 
 from __future__ import annotations
@@ -114,9 +116,11 @@ class FoldStaging:
     that failed once finished is kept, and raised by :meth:`finish_all`.
 
     ``max_buffers`` staging buffers of ``buffer_bytes`` each for accumulations in flight at once, reserved
-    from ``store``'s host scratch (pinned on CUDA, counted against the host tier) when this is built and
-    given back by :meth:`close`; none (``buffer_bytes`` 0, or ``max_buffers`` 0): every accumulation is
-    summed the blocking way (:meth:`stages` is False). ``max_claims`` first gradients whose copy may still be in
+    from ``store``'s host scratch (pinned on CUDA, counted against the host tier) at the first fold that
+    stages after :meth:`finish_all`, and given back by the next :meth:`finish_all`: a phase; none
+    (``buffer_bytes`` 0, or ``max_buffers`` 0): every accumulation is summed the blocking way (:meth:`stages`
+    is False). A tier that cannot set them all aside when the phase starts gives it fewer, counted in
+    ``short_phases``; nothing is retried for. ``max_claims`` first gradients whose copy may still be in
     flight, each of which keeps its device source (a reduce-scatter's output) alive until it lands, so
     this bounds the device memory that copies behind the compute stream hold. A fold past a bound
     first finishes the oldest one. ``peak_buffers`` / ``peak_bytes``: the most staging held at once;
@@ -135,20 +139,16 @@ class FoldStaging:
         self.held_buffers = 0
         self.claims_in_flight = 0
         self.peak_claims = 0
-        self.blocking_folds = 0   # accumulations summed the blocking way: no staging buffer reserved for them
+        self.blocking_folds = 0   # accumulations summed the blocking way: no staging buffer for them
         self._held_bytes = 0
         self.peak_buffers = 0
         self.peak_bytes = 0
         self.waits = 0
-        self._free: list = []   # the reserved staging buffers not held by a fold in flight
-        try:
-            for _ in range(max_buffers if self.buffer_bytes else 0):
-                self._free.append(store.host_scratch(self.buffer_bytes))
-        except BaseException:
-            self.close()
-            raise
-        self.max_buffers = len(self._free)
-        self.reserved_bytes = sum(b.numel() for b in self._free)   # what the store counts for them
+        self.max_buffers = max_buffers if self.buffer_bytes else 0
+        self._reserved: list | None = None   # this phase's staging buffers; None: no phase begun
+        self._free: list = []                # ... those not held by a fold in flight
+        self.reserved_bytes = 0              # what the store counts for them
+        self.short_phases = 0                # phases that started with fewer than max_buffers
 
     # ------------------------------------------------------------ the queue
 
@@ -184,10 +184,12 @@ class FoldStaging:
             self._finish(entry[1])
 
     def finish_all(self, raise_errors: bool = True) -> None:
-        """Finish every queued fold, oldest first; the first failure (also one kept from an earlier finish)
-        is raised after all have finished, unless ``raise_errors`` is False."""
+        """Finish every queued fold, oldest first, and give the phase's staging buffers back; the first
+        failure (also one kept from an earlier finish) is raised after all have finished, unless
+        ``raise_errors`` is False."""
         while self._queue:
             self._retire()
+        self._end_phase()
         failed, self._failed = self._failed, []
         if failed and raise_errors:
             failed[0].result()   # raises its error
@@ -205,18 +207,40 @@ class FoldStaging:
     # ------------------------------------------------------------ staging
 
     def stages(self, src: torch.Tensor) -> bool:
-        """Whether ``src`` fits a reserved staging buffer (else its fold is summed the blocking way)."""
-        return src.numel() * src.element_size() <= self.buffer_bytes
+        """Whether ``src``'s fold is staged (else it is summed the blocking way): it fits a staging buffer and
+        the phase has one; the first call of a phase reserves them."""
+        if src.numel() * src.element_size() > self.buffer_bytes:
+            return False
+        if self._reserved is None:
+            self._begin_phase()
+        return bool(self._reserved)
+
+    def _begin_phase(self) -> None:
+        """Set the phase's staging buffers aside, as many of ``max_buffers`` as the tier can (no retry)."""
+        self._reserved = []
+        try:
+            while len(self._reserved) < self.max_buffers:
+                self._reserved.append(self.store.host_scratch(self.buffer_bytes))
+        except BudgetError:
+            self.short_phases += 1   # fewer folds staged at once this phase (none: summed the blocking way)
+        self._free = list(self._reserved)
+        self.reserved_bytes = sum(b.numel() for b in self._reserved)
+
+    def _end_phase(self) -> None:
+        """Every fold is finished: the phase's staging buffers go back to the store."""
+        reserved, self._reserved, self._free = self._reserved or [], None, []
+        self.reserved_bytes = 0
+        for buf in reserved:
+            self.store.release_scratch(buf)
 
     def stage(self, unit: int, src: torch.Tensor, finish, cleanup=None, after=()) -> PendingFold:
         """Unit ``unit``'s fold, queued: copy ``src`` (device) into a reserved staging buffer on the
         device->host lane (all of them held: the oldest fold is finished first); once it and the futures in
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
-        ``cleanup()``. ``src`` must fit a buffer (:meth:`stages`)."""
+        ``cleanup()``. Only for a fold :meth:`stages` said yes to."""
         nbytes = src.numel() * src.element_size()
-        if nbytes > self.buffer_bytes:
-            raise ValueError(f"FoldStaging: a {nbytes}-byte fold does not fit its {self.buffer_bytes}-byte "
-                             "staging buffers (ask stages() first)")
+        if nbytes > self.buffer_bytes or not self._reserved:
+            raise ValueError(f"FoldStaging: no staging buffer for a {nbytes}-byte fold (ask stages() first)")
         self._make_way(lambda: not self._free)
         buf = self._free.pop()
         staged = buf[:nbytes].view(src.dtype).view(src.shape)
@@ -273,7 +297,7 @@ class FoldStaging:
         their claimed copies), the oldest is finished and it is tried again: the folds in flight never
         need more room than one fold done the blocking way. Refused with none in flight, the error
         stands. The folds are this rank's own work: nothing here waits for another party's memory (an
-        overlapped update's copies live in a room of their own, staging in buffers reserved up front)."""
+        overlapped update's copies live in a room of their own, staging in buffers reserved for its phase)."""
         while True:
             try:
                 return attempt()
@@ -288,17 +312,13 @@ class FoldStaging:
         self._free.append(buf)
 
     def close(self) -> None:
-        """Give the reserved staging buffers back to the store (every fold finished first: no copy may still
-        land in one). Idempotent."""
+        """Finish every fold, its error not raised, and give the staging buffers back. Idempotent."""
         self.finish_all(raise_errors=False)
-        free, self._free = self._free, []
-        for buf in free:
-            self.store.release_scratch(buf)
-        self.reserved_bytes = 0
 
     def stats(self) -> dict:
         return {"max_buffers": self.max_buffers, "buffer_bytes": self.buffer_bytes,
-                "reserved_bytes": self.reserved_bytes, "held_buffers": self.held_buffers,
+                "reserved_bytes": self.reserved_bytes, "short_phases": self.short_phases,
+                "held_buffers": self.held_buffers,
                 "max_claims": self.max_claims, "claims_in_flight": self.claims_in_flight,
                 "peak_claims": self.peak_claims, "blocking_folds": self.blocking_folds,
                 "peak_buffers": self.peak_buffers, "peak_bytes": self.peak_bytes, "waits": self.waits}

@@ -464,20 +464,18 @@ class StoreUnitShard(UnitShard):
         super().release()
 
 
-def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict, accum_steps: int = 1):
+def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict):
     """``new_shard(unit)``: a :class:`StoreUnitShard` for ``unit``, cut into the placement's chunks, with
     the resident chunks :meth:`UnitPlacement.host_resident_plan` picks within the host budget (``budgets``:
     bytes per tier), streaming the optimizer states when :meth:`UnitPlacement.streams_optimizer` says so and
     writing a speculation's kept gradients home when :meth:`UnitPlacement.writes_kept_grads` does;
     every shard made by one factory shares one :class:`LentCopies` and one
     :class:`~infinity.zero.grad_staging.FoldStaging` (the staging bound is the rank's, not a shard's),
-    whose buffers :func:`fold_staging` reserves here, before the first step, when a step accumulates
-    (``accum_steps``, ``schedule.accum_steps``)."""
+    sized by :func:`fold_staging`."""
     host = budgets[Tier.HOST]
     chunk = placement.chunk_numel()
     plan = placement.host_resident_plan(placement.resident_room(host))
-    staging = fold_staging(store, placement, host - placement.resident_bytes(plan), accum_steps)
-    host -= staging.reserved_bytes   # set aside for good: what the rest of the step sizes itself by
+    staging = fold_staging(store, placement, host - placement.resident_bytes(plan))
     stream = placement.streams_optimizer(plan, host)
     write_kept = placement.writes_kept_grads(plan, host)
     lent = LentCopies(store)
@@ -485,15 +483,14 @@ def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict, ac
                                        plan.get(unit.index, frozenset()), stream, staging, write_kept)
 
 
-def fold_staging(store: TensorStore, placement: UnitPlacement, host_bytes: int, accum_steps: int) -> FoldStaging:
-    """The rank's :class:`~infinity.zero.grad_staging.FoldStaging`, its staging buffers reserved now: up to
-    :data:`~infinity.zero.grad_staging.STAGING_BUFFERS` of the largest accumulation a fold stages
+def fold_staging(store: TensorStore, placement: UnitPlacement, host_bytes: int) -> FoldStaging:
+    """The rank's :class:`~infinity.zero.grad_staging.FoldStaging`, its staging sized: up to
+    :data:`~infinity.zero.grad_staging.STAGING_BUFFERS` buffers of the largest accumulation a fold stages
     (:meth:`UnitPlacement.fold_staging_bytes`), as many as ``host_bytes`` (the host budget less what
     resident chunks hold) keeps beyond :meth:`UnitPlacement.min_budgets`' host minimum, so the rest of
-    the step keeps all the room it needs. None when a step does not accumulate (``accum_steps`` 1: every
-    fold is a first gradient's, which stages nothing) or none fit: every accumulation is then summed
-    the blocking way."""
-    need = placement.fold_staging_bytes() if accum_steps > 1 else 0
+    the step keeps all the room it needs while they are reserved (an accumulation's phase). None fit:
+    every accumulation is summed the blocking way."""
+    need = placement.fold_staging_bytes()
     if not need:
         return FoldStaging(store, max_buffers=0)
     spare = host_bytes - placement.min_budgets()[Tier.HOST][0]

@@ -214,7 +214,7 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
     try:
         chunk_bytes = NUMEL // 4 * 4
         staging = FoldStaging(store, max_buffers=2, max_claims=3, buffer_bytes=chunk_bytes)
-        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 2 * chunk_bytes   # reserved up front
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 0   # nothing before the phase starts
         shards = [StoreUnitShard(store, i, _placement("nvme"), LentCopies(store), QUARTERS, staging=staging)
                   for i in range(2)]
         parts = _grads(3, seed=4)
@@ -229,12 +229,13 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
         assert staging.peak_buffers == 2 and staging.peak_claims == 3 and staging.waits > 0, staging.stats()
         assert staging.peak_bytes <= 2 * chunk_bytes
         assert store.stats()["scratch_peak_bytes"] <= 2 * chunk_bytes
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 2 * chunk_bytes   # the phase's two
+        staging.finish_all()   # the step's wait ends the phase: its staging goes back
         want = (parts[0] + parts[1]) + parts[2]
         for shard in shards:
             assert torch.equal(shard.read(TensorClass.GRAD), want)
         assert staging.held_buffers == 0 and staging.claims_in_flight == 0
-        staging.close()
-        assert store.stats()["scratch_bytes"] == 0
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 0 and staging.short_phases == 0
         with pytest.raises(ValueError, match="must be >= 0 and max_claims >= 1"):
             FoldStaging(store, max_claims=0)
     finally:
@@ -244,10 +245,11 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
 
 @pytest.mark.parametrize("beyond_least, buffers", ((0, 0), (0.99, 0), (1, 1), (3, 2)))
 def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(tmp_path, beyond_least, buffers):
-    """store_shards' staging sets aside up to two buffers, each the largest gradient chunk a fold stages,
-    out of the host budget beyond the minimum initialize enforces, before the first step of a run whose
-    steps accumulate (none when they do not); the store counts them until they are given back. At the minimum none: an accumulation is summed the blocking way (bitwise
-    the same sum, counted); above it each accumulation is staged while its copy is in flight."""
+    """store_shards' staging is sized to up to two buffers, each the largest gradient chunk a fold stages,
+    out of the host budget beyond the minimum initialize enforces; the first accumulation of a phase sets
+    them aside (the store counts them) and the step's wait for every fold gives them back. At the minimum
+    none: an accumulation is summed the blocking way (bitwise the same sum, counted); above it each
+    accumulation is staged while its copy is in flight."""
     units = [SimpleNamespace(index=0, name="u0", shard_numel=NUMEL, is_root=False)]
     placement = _placement("host").of(units, StagePolicy.of(2), 4, 4)
     buffer = placement.fold_staging_bytes()
@@ -255,11 +257,9 @@ def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(
     host = placement.min_budgets()[Tier.HOST][0] + int(beyond_least * buffer)
     copier = GatedCopier(open_gate=False)
     store = _store(tmp_path, copier, host_bytes=host)
-    assert fold_staging(store, placement, host, accum_steps=1).max_buffers == 0   # no accumulation: none
-    staging = fold_staging(store, placement, host, accum_steps=2)
+    staging = fold_staging(store, placement, host)
     try:
-        assert staging.max_buffers == buffers
-        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == buffers * buffer
+        assert staging.max_buffers == buffers and store.stats()["scratch_bytes"] == 0
         shard = StoreUnitShard(store, 0, placement, LentCopies(store), staging=staging)
         shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
         a, b = _grads(2, seed=5)
@@ -268,16 +268,17 @@ def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(
         copier.gate.clear()
         write = shard.fold_grad(b.clone(), first=False)
         assert (write is not None and not write.done()) == bool(buffers), "staged while its copy is in flight"
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == buffers * buffer   # the phase's
         copier.gate.set()
-        if write is not None:
-            write.result()
+        staging.finish_all()
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 0
         assert staging.blocking_folds == (0 if buffers else 1) and staging.peak_buffers == min(buffers, 1)
+        assert staging.short_phases == 0
         assert torch.equal(shard.read(TensorClass.GRAD), a + b)
         shard.release()
     finally:
         copier.gate.set()
         staging.close()
-        assert store.stats()["scratch_bytes"] == 0
         store.close()
         copier.close()
 
@@ -347,14 +348,16 @@ def _fold_alone(shard, part, first: bool):
     return out[0]
 
 
-def _accumulating_run(tmp_path, accum_steps: int, host_bytes: int) -> tuple:
+def _accumulating_run(tmp_path, host_bytes: int) -> tuple:
     """Two steps of two micro-batches each (GPT test model, stage 3, every class on NVMe, the update at the
-    step whatever ``accum_steps`` says), the engine told ``accum_steps``: the losses, the parameters, and each step's fold staging stats."""
+    step) at ``host_bytes``: the losses, the parameters, each step's fold staging stats, and the least host
+    budget initialize takes."""
     spec = dict(stage=3, lr=1e-2, optimizer={"update_at": "step"}, host_bytes=host_bytes,
-                offload=dict(optimizer="nvme", params="nvme", grads="nvme"),
-                tmp=str(tmp_path / f"accum{accum_steps}-{host_bytes}"), schedule={"accum_steps": accum_steps})
+                offload=dict(optimizer="nvme", params="nvme", grads="nvme"), tmp=str(tmp_path / str(host_bytes)),
+                schedule={"accum_steps": 2})
     model, opt = infinity.initialize(offload_cases.build("gpt"), offload_cases.offload_config(spec, rank=0))
     engine = infinity.engine_of(model)
+    least = engine.placement.min_budgets()[Tier.HOST][0]
     losses, stats = [], []
     try:
         for step in range(2):
@@ -366,23 +369,24 @@ def _accumulating_run(tmp_path, accum_steps: int, host_bytes: int) -> tuple:
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
     finally:
         engine.close()
-    return losses, params, stats
+    return losses, params, stats, least
 
 
-def test_the_engine_reserves_staging_when_its_steps_accumulate_and_reports_its_use(tmp_path):
-    """initialize with stored gradients and ``schedule.accum_steps`` 2 reserves two staging buffers of the
-    largest gradient chunk (the budget holds them beyond its minimum), every accumulation is staged, none
-    summed the blocking way, and each step's offload stats say so; told ``accum_steps`` 1 it reserves none
-    and the same accumulations are summed the blocking way; the results are bitwise the same."""
-    staged = _accumulating_run(tmp_path, accum_steps=2, host_bytes=4 << 20)
-    blocking = _accumulating_run(tmp_path, accum_steps=1, host_bytes=4 << 20)
+def test_the_engine_stages_accumulations_within_the_budget_and_reports_it(tmp_path):
+    """With room beyond the host minimum, the engine sizes two staging buffers of the largest gradient
+    chunk, every accumulation is staged (none summed the blocking way), and the step gives them back; at
+    the minimum budget initialize takes it sizes none, and every accumulation is summed the blocking way.
+    Each step's offload stats say so, and the results are bitwise the same."""
+    staged = _accumulating_run(tmp_path, host_bytes=4 << 20)
+    least = _accumulating_run(tmp_path, host_bytes=staged[3])
     for s in staged[2]:
-        assert s["max_buffers"] == 2 and s["reserved_bytes"] >= 2 * s["buffer_bytes"] > 0, s
-        assert s["peak_buffers"] >= 1 and s["blocking_folds"] == 0 and s["held_buffers"] == 0, s
-    for s in blocking[2]:
+        assert s["max_buffers"] == 2 and s["buffer_bytes"] > 0 and s["short_phases"] == 0, s
+        assert s["peak_buffers"] >= 1 and s["blocking_folds"] == 0, s
+        assert s["held_buffers"] == 0 and s["reserved_bytes"] == 0, s   # given back by the step
+    for s in least[2]:
         assert s["max_buffers"] == 0 and s["reserved_bytes"] == 0 and s["peak_buffers"] == 0, s
-    folds = [s["blocking_folds"] for s in blocking[2]]   # counted since initialize: each step adds its own
+    folds = [s["blocking_folds"] for s in least[2]]   # counted since initialize: each step adds its own
     assert 0 < folds[0] < folds[1], folds
-    assert staged[0] == blocking[0]
-    for n, p in blocking[1].items():
+    assert staged[0] == least[0]
+    for n, p in least[1].items():
         assert torch.equal(staged[1][n], p), n
