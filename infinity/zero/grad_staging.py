@@ -27,8 +27,10 @@ gradients sets :class:`FoldStaging`'s ``max_buffers`` staging buffers aside from
 the host tier (the engine sizes them out of what the host budget holds beyond
 the minimum :meth:`~infinity.zero.placement.UnitPlacement.min_budgets`
 enforces: :func:`~infinity.zero.store_shard.fold_staging`), and the step's
-wait for every fold (:meth:`FoldStaging.finish_all`) gives them back. A fold
-that needs one while all are in flight first finishes the oldest fold. With
+wait for every fold (:meth:`FoldStaging.finish_all`) gives them back. A
+buffer holds :data:`STAGING_SLICE_BYTES` at most; a larger accumulation is
+staged through them in slices, in order. A fold that needs one while all are
+in flight first finishes the oldest fold. With
 none (a budget at its minimum, which holds the homes and one optimizer job, not
 staging; or a tier that cannot set them aside when the phase starts) the
 accumulation is summed the blocking way, counted in ``blocking_folds``.
@@ -43,11 +45,15 @@ import torch
 
 from infinity.store import BudgetError
 
-__all__ = ["PendingFold", "FoldStaging", "STAGING_BUFFERS", "CLAIMS_IN_FLIGHT"]
+__all__ = ["PendingFold", "FoldStaging", "STAGING_BUFFERS", "STAGING_SLICE_BYTES", "CLAIMS_IN_FLIGHT"]
 
 # Staging buffers for accumulation folds in flight at once: one being copied while the one before
 # is folded; more would only hold host memory while the same copy lane drains them in order.
 STAGING_BUFFERS = 2
+# The most one staging buffer holds: a larger accumulation is staged in slices of this, in order, so
+# staging holds 32 MiB at most whatever the chunk size, and each slice's add runs while the next one's
+# copy is in flight.
+STAGING_SLICE_BYTES = 16 * 2**20
 # First gradients whose copy may be in flight at once (each holds its device source until it lands).
 # A claim that also writes home is in flight until the write is done, so this keeps at most that many
 # gradient writes queued too: about the I/O engine's queue depth, more would only wait there.
@@ -118,9 +124,10 @@ class FoldStaging:
     ``max_buffers`` staging buffers of ``buffer_bytes`` each for accumulations in flight at once, reserved
     from ``store``'s host scratch (pinned on CUDA, counted against the host tier) at the first fold that
     stages after :meth:`finish_all`, and given back by the next :meth:`finish_all`: a phase; none
-    (``buffer_bytes`` 0, or ``max_buffers`` 0): every accumulation is summed the blocking way (:meth:`stages`
-    is False). A tier that cannot set them all aside when the phase starts gives it fewer, counted in
-    ``short_phases``; nothing is retried for. ``max_claims`` first gradients whose copy may still be in
+    (``buffer_bytes`` 0, or ``max_buffers`` 0): every accumulation is summed the blocking way (:meth:`slices`
+    is empty). A fold larger than a buffer is staged in slices of one, in order. A tier that cannot set
+    them all aside when the phase starts gives it fewer, counted in ``short_phases``; nothing is retried
+    for. ``max_claims`` first gradients whose copy may still be in
     flight, each of which keeps its device source (a reduce-scatter's output) alive until it lands, so
     this bounds the device memory that copies behind the compute stream hold. A fold past a bound
     first finishes the oldest one. ``peak_buffers`` / ``peak_bytes``: the most staging held at once;
@@ -206,14 +213,16 @@ class FoldStaging:
 
     # ------------------------------------------------------------ staging
 
-    def stages(self, src: torch.Tensor) -> bool:
-        """Whether ``src``'s fold is staged (else it is summed the blocking way): it fits a staging buffer and
-        the phase has one; the first call of a phase reserves them."""
-        if src.numel() * src.element_size() > self.buffer_bytes:
-            return False
-        if self._reserved is None:
+    def slices(self, src: torch.Tensor) -> list:
+        """How ``src``'s fold is staged: ``[(lo, hi), ...]``, element ranges of it that each fit a staging
+        buffer, in order; [] when the phase has no buffer (it is summed the blocking way). The first call
+        of a phase reserves them."""
+        if self._reserved is None and self.max_buffers:
             self._begin_phase()
-        return bool(self._reserved)
+        if not self._reserved:
+            return []
+        step = self.buffer_bytes // src.element_size()
+        return [(lo, min(lo + step, src.numel())) for lo in range(0, src.numel(), step)]
 
     def _begin_phase(self) -> None:
         """Set the phase's staging buffers aside, as many of ``max_buffers`` as the tier can (no retry)."""
@@ -237,10 +246,10 @@ class FoldStaging:
         """Unit ``unit``'s fold, queued: copy ``src`` (device) into a reserved staging buffer on the
         device->host lane (all of them held: the oldest fold is finished first); once it and the futures in
         ``after`` are done, ``finish(staged)`` runs (:class:`PendingFold`), then the buffer goes back, then
-        ``cleanup()``. Only for a fold :meth:`stages` said yes to."""
+        ``cleanup()``. Only for a slice :meth:`slices` gave."""
         nbytes = src.numel() * src.element_size()
         if nbytes > self.buffer_bytes or not self._reserved:
-            raise ValueError(f"FoldStaging: no staging buffer for a {nbytes}-byte fold (ask stages() first)")
+            raise ValueError(f"FoldStaging: no staging buffer for a {nbytes}-byte fold (ask slices() first)")
         self._make_way(lambda: not self._free)
         buf = self._free.pop()
         staged = buf[:nbytes].view(src.dtype).view(src.shape)

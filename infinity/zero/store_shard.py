@@ -41,7 +41,7 @@ import torch
 
 from infinity.optim.moment_codes import FLAT_LAYOUT
 from infinity.store import BudgetError, TensorStore, Tier
-from infinity.zero.grad_staging import STAGING_BUFFERS, FoldStaging, PendingFold
+from infinity.zero.grad_staging import STAGING_BUFFERS, STAGING_SLICE_BYTES, FoldStaging, PendingFold
 from infinity.zero.pins import PinOwner
 from infinity.zero.placement import OPTIMIZER_CLASSES, Placement, UnitPlacement, chunk_bounds, store_key
 from infinity.zero.units import TensorClass, UnitShard
@@ -355,38 +355,54 @@ class StoreUnitShard(UnitShard):
                                   lambda: self.store.claim(key, Tier.HOST, src=part, write_home=write_home))
 
     def _fold_sum(self, key: str, chunk: int, part: torch.Tensor, inspect) -> PendingFold | None:
-        """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged; summed there."""
+        """The chunk's stored sum brought to host (pinned by this fold) while ``part`` is staged, in slices of
+        a staging buffer each; each slice summed there once landed, the sum finished by the last."""
         owner = PinOwner.fold(self.unit_index, chunk)
         brought = self.staging.with_room(lambda: self.store.bring(key, Tier.HOST, pin=True, owner=owner))
 
-        def finish(staged: torch.Tensor) -> None:
+        def add(staged: torch.Tensor, lo: int, hi: int) -> None:
             g = brought.result()
-            g.add_(staged)
-            if inspect is not None:   # the sum itself may overflow, and the clip norm sums it: while it is here
-                inspect(g, self.bounds[chunk][0] if self.chunked else 0)
-            self.store.mark_dirty(key, Tier.HOST)
-            if not self.defers_grad_writes:
-                self.store.write_back(key)   # in the background; a later bring waits for it
+            g[lo:hi].add_(staged)
+            if hi == part.numel():   # the last slice (the queue finishes the ones before it first)
+                if inspect is not None:   # the sum itself may overflow, and the clip norm sums it: while it is here
+                    inspect(g, self.bounds[chunk][0] if self.chunked else 0)
+                self.store.mark_dirty(key, Tier.HOST)
+                if not self.defers_grad_writes:
+                    self.store.write_back(key)   # in the background; a later bring waits for it
 
         def unpin() -> None:
             if brought.exception() is None:   # done by now: the fold waited for it
                 self.store.unpin(key, Tier.HOST, owner)
 
-        if not self.staging.stages(part):
-            # no staging buffer reserved (a host budget too near its minimum, the homes and one optimizer
-            # job, to set two aside): this one is summed the blocking way
+        slices = self.staging.slices(part)
+        if not slices:
+            # no staging buffer (a host budget too near its minimum, the homes and one optimizer job, to set
+            # one aside): this one is summed the blocking way
             self.staging.blocking_folds += 1
             try:
-                finish(part.to(brought.result().device))
+                add(part.to(brought.result().device), 0, part.numel())
             finally:
                 unpin()
             return None
-        try:
-            return self.staging.stage(self.unit_index, part, finish, cleanup=unpin, after=[brought])
+        left = [len(slices)]   # slices whose fold has not finished: the last one to finish unpins the sum
+
+        def slice_done() -> None:
+            left[0] -= 1
+            if not left[0]:
+                unpin()
+
+        staged = 0
+        try:   # the queue finishes a unit's folds in the order they were staged: the last slice's sees the sum whole
+            for lo, hi in slices:
+                self.staging.stage(self.unit_index, part[lo:hi], lambda t, lo=lo, hi=hi: add(t, lo, hi),
+                                   cleanup=slice_done, after=[brought])
+                staged += 1
         except BaseException:
             cf.wait([brought])
-            unpin()
+            for _ in range(len(slices) - staged):
+                slice_done()
             raise
+        return self.staging.pending(self.unit_index)
 
     def consumed_after_update(self, chunk: int = 0) -> tuple:
         """The NVMe-homed gradient chunk: dead once Adam has read it (the next fold overwrites it)."""
@@ -485,12 +501,13 @@ def store_shards(store: TensorStore, placement: UnitPlacement, budgets: dict):
 
 def fold_staging(store: TensorStore, placement: UnitPlacement, host_bytes: int) -> FoldStaging:
     """The rank's :class:`~infinity.zero.grad_staging.FoldStaging`, its staging sized: up to
-    :data:`~infinity.zero.grad_staging.STAGING_BUFFERS` buffers of the largest accumulation a fold stages
-    (:meth:`UnitPlacement.fold_staging_bytes`), as many as ``host_bytes`` (the host budget less what
-    resident chunks hold) keeps beyond :meth:`UnitPlacement.min_budgets`' host minimum, so the rest of
-    the step keeps all the room it needs while they are reserved (an accumulation's phase). None fit:
-    every accumulation is summed the blocking way."""
-    need = placement.fold_staging_bytes()
+    :data:`~infinity.zero.grad_staging.STAGING_BUFFERS` buffers, each the largest accumulation a fold
+    stages (:meth:`UnitPlacement.fold_staging_bytes`) or one slice of it
+    (:data:`~infinity.zero.grad_staging.STAGING_SLICE_BYTES`), as many as ``host_bytes`` (the host budget
+    less what resident chunks hold) keeps beyond :meth:`UnitPlacement.min_budgets`' host minimum, so the
+    rest of the step keeps all the room it needs while they are reserved (an accumulation's phase). None
+    fit: every accumulation is summed the blocking way."""
+    need = min(placement.fold_staging_bytes(), STAGING_SLICE_BYTES)
     if not need:
         return FoldStaging(store, max_buffers=0)
     spare = host_bytes - placement.min_budgets()[Tier.HOST][0]

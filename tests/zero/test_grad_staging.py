@@ -243,6 +243,39 @@ def test_staging_buffers_and_claims_in_flight_stay_within_their_bounds(tmp_path)
         copier.close()
 
 
+def test_an_accumulation_larger_than_a_staging_buffer_is_staged_in_slices(tmp_path):
+    """A chunk four buffers long is staged in four slices, in order, the fold returning before any copy
+    lands; waited for, the slices are summed in order: the sum is bitwise the blocking one, inspected
+    once when it is whole, and the fold's pin on the brought sum is dropped once, after all four."""
+    copier = GatedCopier(open_gate=False)
+    store = _store(tmp_path, copier)
+    staging = FoldStaging(store, max_buffers=4, buffer_bytes=NUMEL)   # a quarter of the fp32 shard each
+    try:
+        shard = StoreUnitShard(store, 0, _placement("nvme"), LentCopies(store), staging=staging)
+        shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        a, b = _grads(2, seed=7)
+        copier.gate.set()
+        shard.fold_grad(a.clone(), first=True).result()
+        copier.gate.clear()
+        assert staging.slices(b) == [(i * NUMEL // 4, (i + 1) * NUMEL // 4) for i in range(4)]
+        seen = []
+        fold = shard.fold_grad(b.clone(), first=False, inspect=lambda g, at: seen.append((g.clone(), at)))
+        assert not fold.done() and staging.held_buffers == 4, "the fold waited for its copies"
+        copier.gate.set()
+        fold.result()
+        assert len(seen) == 1 and seen[0][1] == 0 and torch.equal(seen[0][0], a + b)
+        with pytest.raises(Exception, match="not pinned"):   # the four slices dropped the fold's one pin once
+            store.unpin(shard.keys(TensorClass.GRAD)[0], Tier.HOST)
+        staging.finish_all()
+        assert staging.held_buffers == 0 and torch.equal(shard.read(TensorClass.GRAD), a + b)
+        shard.release()
+    finally:
+        copier.gate.set()
+        staging.close()
+        store.close()
+        copier.close()
+
+
 @pytest.mark.parametrize("beyond_least, buffers", ((0, 0), (0.99, 0), (1, 1), (3, 2)))
 def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(tmp_path, beyond_least, buffers):
     """store_shards' staging is sized to up to two buffers, each the largest gradient chunk a fold stages,
