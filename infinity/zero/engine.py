@@ -435,7 +435,7 @@ class ZeroEngine:
             self.world_coll.counters.reset()
         self.update.end_step(self.stats.last_step, self.prefetcher.state.value)
         folds = self.grads.fold_stats()
-        if folds is not None:   # stored gradients: their staging, reserved at initialize, and its use
+        if folds is not None:   # stored gradients: their fold staging (sized at initialize) and its use
             self.stats.last_step["offload"]["fold_staging"] = folds
         if self.memory.enabled:
             resident = self.resident_bytes()
@@ -541,7 +541,8 @@ class ZeroEngine:
 
     def close(self) -> None:
         """Remove the hooks, stop the update's threads, close the store (its swap file is removed), unmap
-        what the host block cache kept (:mod:`infinity.store.host_cache`). Every part is closed even if one raises; the first error is raised after. Idempotent."""
+        what the host block cache kept (:mod:`infinity.store.host_cache`). Every part is closed even if one
+        raises; the first error is raised after. Idempotent."""
         if self._closed:
             return
         self._closed = True
