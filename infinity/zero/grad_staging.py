@@ -154,7 +154,6 @@ class FoldStaging:
         self.max_buffers = max_buffers if self.buffer_bytes else 0
         self._reserved: list | None = None   # this phase's staging buffers; None: no phase begun
         self._free: list = []                # ... those not held by a fold in flight
-        self.reserved_bytes = 0              # what the store counts for them
         self.short_phases = 0                # phases that started with fewer than max_buffers
 
     # ------------------------------------------------------------ the queue
@@ -224,6 +223,11 @@ class FoldStaging:
         step = self.buffer_bytes // src.element_size()
         return [(lo, min(lo + step, src.numel())) for lo in range(0, src.numel(), step)]
 
+    @property
+    def reserved_bytes(self) -> int:
+        """Host bytes the phase's staging buffers hold (what the store counts for them); 0 between phases."""
+        return sum(b.numel() for b in self._reserved or ())
+
     def _begin_phase(self) -> None:
         """Set the phase's staging buffers aside, as many of ``max_buffers`` as the tier can (no retry)."""
         self._reserved = []
@@ -233,12 +237,10 @@ class FoldStaging:
         except BudgetError:
             self.short_phases += 1   # fewer folds staged at once this phase (none: summed the blocking way)
         self._free = list(self._reserved)
-        self.reserved_bytes = sum(b.numel() for b in self._reserved)
 
     def _end_phase(self) -> None:
         """Every fold is finished: the phase's staging buffers go back to the store."""
         reserved, self._reserved, self._free = self._reserved or [], None, []
-        self.reserved_bytes = 0
         for buf in reserved:
             self.store.release_scratch(buf)
 

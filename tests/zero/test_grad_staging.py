@@ -316,6 +316,31 @@ def test_staging_is_reserved_from_what_the_host_budget_holds_beyond_its_minimum(
         copier.close()
 
 
+def test_a_phase_the_tier_cannot_give_every_buffer_stages_with_fewer(tmp_path):
+    """Two buffers sized, but a host tier holding room for one when the phase starts: the phase takes one,
+    without retrying, counts itself short, and stages its folds through it (each finishing the one before);
+    the sums are exact and the one buffer goes back with the step's wait."""
+    copier = GatedCopier(delay_s=0.01)
+    store = _store(tmp_path, copier, host_bytes=NUMEL * 4 + NUMEL)   # the homed gradient and one quarter
+    staging = FoldStaging(store, max_buffers=2, buffer_bytes=NUMEL)
+    try:
+        shard = StoreUnitShard(store, 0, _placement("host"), LentCopies(store), staging=staging)
+        shard.put_zeros(TensorClass.GRAD, NUMEL, torch.float32, "cpu")
+        a, b = _grads(2, seed=8)
+        shard.fold_grad(a.clone(), first=True).result()
+        shard.fold_grad(b.clone(), first=False).result()
+        assert staging.short_phases == 1 and staging.reserved_bytes == NUMEL and staging.peak_buffers == 1
+        assert staging.blocking_folds == 0 and staging.waits > 0, staging.stats()
+        staging.finish_all()
+        assert store.stats()["scratch_bytes"] == staging.reserved_bytes == 0
+        assert torch.equal(shard.read(TensorClass.GRAD), a + b)
+        shard.release()
+    finally:
+        staging.close()
+        store.close()
+        copier.close()
+
+
 def test_every_pending_fold_is_in_the_ranks_one_queue_by_unit(tmp_path):
     """The rank's shards queue what they leave pending in one FoldStaging, tagged by unit: a unit's folds
     are found and finished there alone (the unordered ones only, when asked), the landed ones at the head
